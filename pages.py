@@ -1,0 +1,282 @@
+"""Rendered-page data: exact ground-truth text and character boxes on synthetic document images.
+
+A page is a short run of prose (3-6 lines of at most 30 characters) drawn with Pillow in a DejaVu
+font on a lightly tinted background, optionally degraded by mild noise, blur and JPEG. Everything
+is a pure function of a seed, so `PageStream(docs, spec, seed)[i]` is the same page on every
+machine and run; training can resume at any step and held-out pages stay fixed.
+
+Text comes from the plain-text documents in `corpus/` (see corpus/SOURCES.md). Documents, not
+pages, are split into train/val/test so held-out pages never share a source text with training.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import random
+import re
+import textwrap
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFilter, ImageFont
+
+CHARSET = "".join(chr(code) for code in range(ord(" "), ord("~") + 1))  # the 95 printable ASCII characters
+FONT_DIR = "/usr/share/fonts/truetype/dejavu"
+
+
+@dataclass(frozen=True)
+class Document:
+    name: str  # file stem, e.g. "license-gpl-3"
+    text: str
+    sha256: str  # of the file bytes, so a training manifest pins exactly what was read
+
+
+def load_corpus(root: str | Path = "corpus") -> list[Document]:
+    """All `*.txt` documents under `root`, sorted by name. A relative root that does not exist in
+    the working directory is looked up next to this module, so scripts work from any directory."""
+    path = Path(root)
+    if not path.is_absolute() and not path.is_dir():
+        path = Path(__file__).resolve().parent / path
+    docs = []
+    for file in sorted(path.glob("*.txt")):
+        raw = file.read_bytes()
+        text = raw.decode("ascii")
+        if set(text) - set(CHARSET) - {"\n"}:
+            raise ValueError(f"{file} has characters outside CHARSET; see corpus/make_corpus.py normalise()")
+        docs.append(Document(file.stem, text, hashlib.sha256(raw).hexdigest()))
+    if not docs:
+        raise FileNotFoundError(f"no .txt documents in {path}")
+    return docs
+
+
+def _family(name: str) -> str:
+    # Versions of one text ("license-gpl-2", "license-gpl-3") are near-duplicates; keeping them in
+    # the same split stops held-out pages from being memorised from a sibling version.
+    return re.sub(r"-[\d.]+$", "", name)
+
+
+def split_documents(docs: list[Document], seed: int = 0) -> dict[str, list[Document]]:
+    """Deterministic, disjoint train/val/test split by document (~80/10/10 by count, val and test
+    at least 2 each). Versions of the same text stay together (see `_family`)."""
+    families: dict[str, list[Document]] = {}
+    for doc in sorted(docs, key=lambda d: d.name):
+        families.setdefault(_family(doc.name), []).append(doc)
+    order = sorted(families)
+    random.Random(seed).shuffle(order)
+    held_out_size = max(2, round(0.1 * len(docs)))
+    split: dict[str, list[Document]] = {"train": [], "val": [], "test": []}
+    for key in order:
+        group = families[key]
+        # Fill test, then val, with whole families that do not overshoot the target; rest is train.
+        target = next((s for s in ("test", "val") if len(split[s]) + len(group) <= held_out_size), "train")
+        split[target].extend(group)
+    return {name: sorted(group, key=lambda d: d.name) for name, group in split.items()}
+
+
+def sources_manifest(split: dict[str, list[Document]]) -> list[dict]:
+    """One record per document, for writing next to a trained model."""
+    return [{"name": d.name, "sha256": d.sha256, "split": name, "chars": len(d.text)}
+            for name, docs in split.items() for d in docs]
+
+
+@dataclass(frozen=True)
+class PageSpec:
+    size: int = 512  # square page, pixels
+    min_lines: int = 3
+    max_lines: int = 6
+    min_chars_per_line: int = 20  # the wrap width is drawn per page from this range
+    max_chars_per_line: int = 30
+    fonts: tuple[str, ...] = ("DejaVuSans.ttf", "DejaVuSans-Bold.ttf", "DejaVuSerif.ttf", "DejaVuSerif-Bold.ttf")
+    font_dir: str = FONT_DIR
+    min_font_size: int = 22  # pixels (em size); shrunk within this range when a line would not fit
+    max_font_size: int = 30
+    min_margin: int = 16  # left/top margins are random in [min, max]; right/bottom are at least min
+    max_margin: int = 48
+    min_line_spacing: float = 1.1  # baseline-to-baseline distance as a multiple of the font size
+    max_line_spacing: float = 1.6
+    max_ink_grey: int = 60  # text grey level 0..60, each channel shifted by up to +-ink_tint
+    ink_tint: int = 12
+    min_paper_grey: int = 230  # background 230..255, each channel lowered by up to paper_tint
+    paper_tint: int = 10
+    augment: bool = True
+    noise_prob: float = 0.4
+    max_noise_sigma: float = 6.0  # gaussian pixel noise, in 0..255 units
+    blur_prob: float = 0.3
+    max_blur_radius: float = 0.8
+    jpeg_prob: float = 0.4
+    jpeg_quality: tuple[int, int] = (60, 95)
+
+
+@dataclass
+class Page:
+    image: Image.Image  # RGB, size x size
+    text: str  # exact ground truth: lines joined with "\n"
+    lines: list[str]
+    char_boxes: list[tuple[str, int, int, int, int]]  # (char, x0, y0, x1, y1) for every non-space char
+    font: str  # font file stem, e.g. "DejaVuSerif-Bold"
+    font_size: int
+    source: str  # document name
+    ink: tuple[int, int, int] = (0, 0, 0)
+    background: tuple[int, int, int] = (255, 255, 255)
+    augmentations: list[str] = field(default_factory=list)
+
+
+@lru_cache(maxsize=256)
+def _font(path: str, size: int) -> ImageFont.FreeTypeFont:
+    # BASIC layout (no libraqm shaping or ligatures): one glyph per character on every machine,
+    # so per-character boxes are well defined and pages are identical wherever they are rendered.
+    return ImageFont.truetype(path, size, layout_engine=ImageFont.Layout.BASIC)
+
+
+def _take_lines(words: list[str], n_lines: int, width: int, rng: random.Random) -> list[str]:
+    # A line of `width` characters holds at most (width + 1) // 2 words, so n_lines * width words
+    # always wrap to at least n_lines lines (unless the document is shorter than that).
+    n_words = n_lines * width
+    start = rng.randrange(max(1, len(words) - n_words + 1))
+    span = " ".join(words[start:start + n_words])
+    return textwrap.wrap(span, width, break_long_words=True)[:n_lines]
+
+
+def render_page(rng_or_seed: random.Random | int | str, document_text: str,
+                spec: PageSpec = PageSpec(), source: str = "") -> Page:
+    """Render a random contiguous span of `document_text` as one page."""
+    rng = rng_or_seed if isinstance(rng_or_seed, random.Random) else random.Random(rng_or_seed)
+    words = document_text.split()
+    avail = spec.size - 2 * spec.min_margin
+    tries = 20
+    for attempt in range(tries):  # retry with a new span when one is too wide even at min font size
+        # ...and on the last try accept a smaller font rather than fail (e.g. an all-capitals text).
+        smallest_size = spec.min_font_size if attempt < tries - 1 else 6
+        lines = _take_lines(words, rng.randint(spec.min_lines, spec.max_lines),
+                            rng.randint(spec.min_chars_per_line, spec.max_chars_per_line), rng)
+        font_name = rng.choice(spec.fonts)
+        font_size = rng.randint(spec.min_font_size, spec.max_font_size)
+        spacing = rng.uniform(spec.min_line_spacing, spec.max_line_spacing)
+
+        def measure():  # ink width of the widest line, block height, baseline pitch
+            f = _font(f"{spec.font_dir}/{font_name}", font_size)
+            ascent, descent = f.getmetrics()
+            pitch = round(font_size * spacing)
+            return f, max(f.getbbox(line)[2] for line in lines), pitch * (len(lines) - 1) + ascent + descent, pitch
+
+        font, width, height, pitch = measure()
+        while width > avail and font_size > smallest_size:
+            font_size -= 1
+            font, width, height, pitch = measure()
+        while height > avail and len(lines) > spec.min_lines:
+            lines.pop()
+            font, width, height, pitch = measure()
+        if len(lines) >= spec.min_lines and width <= avail and height <= avail:
+            break
+    else:
+        raise ValueError(f"could not fit {source or 'document'} text on a {spec.size}px page")
+
+    left = rng.randint(spec.min_margin, min(spec.max_margin, spec.size - spec.min_margin - width))
+    top = rng.randint(spec.min_margin, min(spec.max_margin, spec.size - spec.min_margin - height))
+    grey = rng.randint(0, spec.max_ink_grey)
+    ink = tuple(min(255, max(0, grey + rng.randint(-spec.ink_tint, spec.ink_tint))) for _ in range(3))
+    paper = rng.randint(spec.min_paper_grey, 255)
+    background = tuple(paper - rng.randint(0, spec.paper_tint) for _ in range(3))
+
+    image = Image.new("RGB", (spec.size, spec.size), background)
+    draw = ImageDraw.Draw(image)
+    boxes = []
+    for row, line in enumerate(lines):
+        y = top + row * pitch
+        draw.text((left, y), line, font=font, fill=ink)  # anchor "la": (x, y) is the left/ascender point
+        for i, ch in enumerate(line):
+            if ch == " ":
+                continue
+            # Pen position of ch inside the drawn line, including any kerning with the previous char.
+            origin = left + font.getlength(line[:i + 1]) - font.getlength(ch)
+            bx0, by0, bx1, by1 = font.getbbox(ch)
+            boxes.append((ch, max(0, math.floor(origin + bx0)), max(0, y + by0),
+                          min(spec.size, math.ceil(origin + bx1)), min(spec.size, y + by1)))
+
+    applied = []
+    if spec.augment:
+        image, applied = _augment(image, spec, rng)
+    return Page(image, "\n".join(lines), lines, boxes, Path(font_name).stem, font_size, source,
+                ink, background, applied)
+
+
+def _augment(image: Image.Image, spec: PageSpec, rng: random.Random) -> tuple[Image.Image, list[str]]:
+    # Order follows a camera/scanner pipeline: optics blur, then sensor noise, then compression.
+    applied = []
+    if rng.random() < spec.blur_prob:
+        image = image.filter(ImageFilter.GaussianBlur(rng.uniform(0.3, spec.max_blur_radius)))
+        applied.append("blur")
+    if rng.random() < spec.noise_prob:
+        noise_rng = np.random.default_rng(rng.getrandbits(64))
+        pixels = np.asarray(image, dtype=np.float32)
+        pixels += noise_rng.normal(0.0, rng.uniform(1.0, spec.max_noise_sigma), pixels.shape)
+        image = Image.fromarray(np.clip(np.rint(pixels), 0, 255).astype(np.uint8), "RGB")
+        applied.append("noise")
+    if rng.random() < spec.jpeg_prob:
+        buffer = io.BytesIO()
+        image.save(buffer, "JPEG", quality=rng.randint(*spec.jpeg_quality))
+        image = Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")
+        applied.append("jpeg")
+    return image, applied
+
+
+class PageStream:
+    """Deterministic, indexable stream of pages: `stream[i]` depends only on (seed, i, documents,
+    spec). Documents are drawn with probability proportional to sqrt(length): short texts are not
+    over-repeated, yet one long text does not crowd out the rest of a small (val/test) split.
+    Infinite unless `length` is given (e.g. a fixed benchmark set)."""
+
+    def __init__(self, documents: list[Document], spec: PageSpec = PageSpec(), seed: int = 0,
+                 length: int | None = None):
+        if not documents:
+            raise ValueError("PageStream needs at least one document")
+        self.documents = list(documents)
+        self.spec, self.seed, self.length = spec, seed, length
+        self._weights = [math.sqrt(len(d.text)) for d in self.documents]
+
+    def __getitem__(self, index: int) -> Page:
+        if index < 0 or (self.length is not None and index >= self.length):
+            raise IndexError(index)
+        rng = random.Random(f"pages:{self.seed}:{index}")  # str seeds hash via SHA-512: stable across runs
+        doc = rng.choices(self.documents, weights=self._weights)[0]
+        return render_page(rng, doc.text, self.spec, source=doc.name)
+
+    def __len__(self) -> int:
+        if self.length is None:
+            raise TypeError("infinite PageStream has no length")
+        return self.length
+
+    def __iter__(self):
+        index = 0
+        while self.length is None or index < self.length:
+            yield self[index]
+            index += 1
+
+
+def char_targets(page: Page, grid: int, charset: str = CHARSET) -> np.ndarray:
+    """Multi-hot [grid*grid, len(charset)] float32: cell (row-major) is 1 for each character whose
+    box centre lies in it. A dense auxiliary target telling each vision token what it sees."""
+    width, height = page.image.size
+    index = {ch: k for k, ch in enumerate(charset)}
+    targets = np.zeros((grid * grid, len(charset)), dtype=np.float32)
+    for ch, x0, y0, x1, y1 in page.char_boxes:
+        if ch in index:
+            col = min(grid - 1, int((x0 + x1) / 2 * grid / width))
+            row = min(grid - 1, int((y0 + y1) / 2 * grid / height))
+            targets[row * grid + col, index[ch]] = 1.0
+    return targets
+
+
+if __name__ == "__main__":  # python pages.py [N] : write N sample pages of the test split to /tmp
+    import sys
+
+    count = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    stream = PageStream(split_documents(load_corpus())["test"], seed=0)
+    for i in range(count):
+        page = stream[i]
+        page.image.save(f"/tmp/pages_sample_{i}.png")
+        print(f"/tmp/pages_sample_{i}.png  {page.source}  {page.font} {page.font_size}px  {page.augmentations}")
+        print(page.text, end="\n\n")

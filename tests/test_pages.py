@@ -1,0 +1,129 @@
+import dataclasses
+import hashlib
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import pages  # noqa: E402
+
+CLEAN = dataclasses.replace(pages.PageSpec(), augment=False)
+
+
+@pytest.fixture(scope="module")
+def docs():
+    return pages.load_corpus()
+
+
+@pytest.fixture(scope="module")
+def sample_pages(docs):
+    # Augmented pages from every split's stream type; 40 pages keep the file well under a second or two.
+    return [pages.PageStream(docs, seed=3)[i] for i in range(40)]
+
+
+def test_charset_is_printable_ascii():
+    assert pages.CHARSET[0] == " " and pages.CHARSET[-1] == "~" and len(pages.CHARSET) == 95
+
+
+def test_corpus_is_big_ascii_and_hashed(docs):
+    assert len(docs) >= 20
+    assert sum(len(d.text) for d in docs) >= 300_000
+    root = Path(pages.__file__).resolve().parent / "corpus"
+    for d in docs:
+        assert d.sha256 == hashlib.sha256((root / f"{d.name}.txt").read_bytes()).hexdigest()
+        assert set(d.text) <= set(pages.CHARSET) | {"\n"}
+        assert len(d.text.split()) > 200, d.name
+
+
+def test_split_disjoint_covering_deterministic(docs):
+    split = pages.split_documents(docs, seed=0)
+    names = {k: {d.name for d in v} for k, v in split.items()}
+    assert set(names) == {"train", "val", "test"}
+    assert not (names["train"] & names["val"] or names["train"] & names["test"] or names["val"] & names["test"])
+    assert names["train"] | names["val"] | names["test"] == {d.name for d in docs}
+    assert len(names["val"]) >= 2 and len(names["test"]) >= 2
+    assert len(names["train"]) >= 0.7 * len(docs)
+    assert pages.split_documents(list(reversed(docs)), seed=0) == split  # input order does not matter
+    # Versions of one licence are near-duplicates and must not straddle splits.
+    gpl_splits = {k for k, v in names.items() if v & {"license-gpl-1", "license-gpl-2", "license-gpl-3"}}
+    assert len(gpl_splits) == 1
+    manifest = pages.sources_manifest(split)
+    assert len(manifest) == len(docs) and {m["split"] for m in manifest} == {"train", "val", "test"}
+    assert set(manifest[0]) == {"name", "sha256", "split", "chars"}
+
+
+def test_stream_is_pure_function_of_seed_and_index(docs):
+    a, b = pages.PageStream(docs, seed=11), pages.PageStream(docs, seed=11)
+    for i in (0, 7):
+        assert a[i].image.tobytes() == b[i].image.tobytes() and a[i].text == b[i].text
+    assert a[7].image.tobytes() == a[7].image.tobytes()  # re-reading an index does not drift
+    assert a[0].text != a[1].text and a[0].image.tobytes() != a[1].image.tobytes()
+    assert pages.PageStream(docs, seed=12)[0].text != a[0].text
+    finite = pages.PageStream(docs, seed=11, length=2)
+    assert len(finite) == 2 and [p.text for p in finite] == [a[0].text, a[1].text]
+    with pytest.raises(IndexError):
+        finite[2]
+
+
+def test_render_page_accepts_seed_or_rng(docs):
+    text = docs[0].text
+    p1, p2 = pages.render_page(5, text, CLEAN), pages.render_page(random.Random(5), text, CLEAN)
+    assert p1.text == p2.text and p1.image.tobytes() == p2.image.tobytes()
+
+
+def test_page_invariants(sample_pages):
+    for p in sample_pages:
+        assert p.image.mode == "RGB" and p.image.size == (512, 512)
+        assert 3 <= len(p.lines) <= 6 and p.text == "\n".join(p.lines)
+        assert all(0 < len(line) <= 30 and line == line.strip() for line in p.lines)
+        assert set(p.text) <= set(pages.CHARSET) | {"\n"}
+        assert p.font in {"DejaVuSans", "DejaVuSans-Bold", "DejaVuSerif", "DejaVuSerif-Bold"}
+        assert p.source
+        non_space = [ch for ch in p.text if ch not in " \n"]
+        assert [b[0] for b in p.char_boxes] == non_space
+        for _, x0, y0, x1, y1 in p.char_boxes:
+            assert 0 <= x0 < x1 <= 512 and 0 <= y0 < y1 <= 512
+            assert x1 <= 512 - 16 and y1 <= 512 - 16  # text stays inside the minimum margins
+
+
+def test_char_targets_mark_every_character(sample_pages):
+    for grid in (8, 16):
+        for p in sample_pages[:10]:
+            t = pages.char_targets(p, grid)
+            assert t.shape == (grid * grid, len(pages.CHARSET)) and t.dtype == np.float32
+            marked = {pages.CHARSET[k] for k in np.nonzero(t.any(axis=0))[0]}
+            assert marked == set(p.text) - {" ", "\n"}
+            assert t[:, pages.CHARSET.index(" ")].sum() == 0
+
+
+def test_char_target_cell_is_box_centre():
+    page = pages.Page(image=pages.Image.new("RGB", (512, 512)), text="A", lines=["A"],
+                      char_boxes=[("A", 100, 300, 120, 330)], font="DejaVuSans", font_size=24, source="x")
+    t = pages.char_targets(page, 4)  # 128 px cells: centre (110, 315) -> row 2, col 0
+    assert np.argwhere(t).tolist() == [[2 * 4 + 0, pages.CHARSET.index("A")]]
+
+
+def test_clean_page_has_plain_background_and_boxes_cover_ink(docs):
+    stream = pages.PageStream(docs, CLEAN, seed=4)
+    for i in range(5):
+        p = stream[i]
+        assert p.augmentations == []
+        pixels = np.asarray(p.image).astype(int)
+        for x, y in ((0, 0), (511, 0), (0, 511), (511, 511)):
+            assert tuple(pixels[y, x]) == p.background
+        # Every clearly inked pixel lies in some character box (1 px slack for antialiasing).
+        ink = np.abs(pixels - np.array(p.background)).max(axis=2) > 64
+        covered = np.zeros_like(ink)
+        for _, x0, y0, x1, y1 in p.char_boxes:
+            covered[max(0, y0 - 1):y1 + 1, max(0, x0 - 1):x1 + 1] = True
+        assert ink.any() and not (ink & ~covered).any()
+        # ...and every box contains ink.
+        assert all(ink[y0:y1, x0:x1].any() for _, x0, y0, x1, y1 in p.char_boxes)
+
+
+def test_wide_text_still_fits():
+    p = pages.render_page(0, "MWMWMWMWMWMWMWMWMWMWMWMWMWMWMW " * 50, CLEAN)  # 30-char capital words
+    assert max(b[3] for b in p.char_boxes) <= 512 - 16 and 3 <= len(p.lines) <= 6

@@ -1,0 +1,265 @@
+"""Training: the nano base model (from scratch, CPU) and FSQ quantizers (any base, frozen).
+
+  python train.py base --out runs/nano --steps 3000            # resumes from runs/nano if present
+  python train.py export --run runs/nano --to weights/nano     # original-layout checkpoint
+  python train.py quantizer --base weights/nano --steps 600    # -> weights/nano/quantizer.safetensors
+
+The nano model is DeepSeek-OCR's architecture at small widths (same code path: SAM -> CLIP ->
+projector -> MoE decoder) with a character-level tokenizer, reading the rendered pages of pages.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from checkpoint import OCRModel, SpecialTokens, build_modules, init_weights, load_model, save_model
+from decoder import Generator, RepetitionRule
+from encoder import view_to_tensor, make_view
+from pages import CHARSET, PageSpec, PageStream, char_targets, load_corpus, sources_manifest, split_documents
+
+ROOT = Path(__file__).resolve().parent
+SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<image>"]
+FREE_PROMPT = "<image>\nFree OCR."
+
+
+# ----------------------------------------------------------------------------- nano definition
+def nano_config(vocab_size: int) -> dict:
+    """A DeepSeek-OCR config.json (original layout) at nano sizes. Tiny mode: 512 px -> 8x8 tokens."""
+    language = {
+        "bos_token_id": 0, "eos_token_id": 1, "first_k_dense_replace": 1, "hidden_size": 256,
+        "intermediate_size": 512, "kv_lora_rank": None, "lm_head": True, "max_position_embeddings": 8192,
+        "moe_intermediate_size": 128, "n_group": 1, "n_routed_experts": 8, "n_shared_experts": 1,
+        "num_attention_heads": 4, "num_experts_per_tok": 2, "num_hidden_layers": 3, "num_key_value_heads": 4,
+        "q_lora_rank": None, "qk_nope_head_dim": 0, "qk_rope_head_dim": 0, "rm_head": False, "topk_group": 1,
+        "topk_method": "greedy", "use_mla": False, "v_head_dim": 0, "vocab_size": vocab_size}
+    return {
+        "_name_or_path": "ocr-latent/nano", "architectures": ["DeepseekOCRForCausalLM"],
+        "candidate_resolutions": [[512, 512]], "global_view_pos": "head", "model_type": "deepseek_vl_v2",
+        "language_config": {**language, "architectures": ["DeepseekV2ForCausalLM"], "torch_dtype": "float32"},
+        "projector_config": {"input_dim": 512, "model_type": "mlp_projector", "n_embed": 256, "projector_type": "linear"},
+        "tile_tag": "2D", "torch_dtype": "float32",
+        "vision_config": {"image_size": 512, "model_name": "deeplip_b_l", "model_type": "vision", "width": {
+            "clip-l-14-224": {"heads": 4, "image_size": 112, "layers": 2, "patch_size": 14, "width": 256},
+            "sam_vit_b": {"downsample_channels": [128, 256], "global_attn_indexes": [1], "heads": 2,
+                          "layers": 2, "width": 64, "neck_channels": 64}}},
+        "ocr_latent": {"mode": "tiny", "prompt": FREE_PROMPT}, **language}
+
+
+def char_tokenizer():
+    """Character-level tokenizer in tokenizers' format: specials, then '\\n' and printable ASCII."""
+    from tokenizers import Tokenizer, decoders, models
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + ["\n"] + list(CHARSET))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tok.add_special_tokens(SPECIALS)
+    tok.decoder = decoders.Fuse()
+    return tok
+
+
+def tokenizer_config(tok) -> dict:
+    added = {str(tok.token_to_id(s)): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
+                                        "single_word": False, "special": True} for s in SPECIALS}
+    return {"add_bos_token": True, "add_eos_token": False, "bos_token": SPECIALS[0], "eos_token": SPECIALS[1],
+            "pad_token": SPECIALS[2], "added_tokens_decoder": added, "tokenizer_class": "PreTrainedTokenizerFast"}
+
+
+def new_nano(seed: int) -> OCRModel:
+    tok = char_tokenizer()
+    cfg = nano_config(tok.get_vocab_size())
+    encoder, decoder = build_modules(cfg, "cpu")
+    init_weights(encoder, decoder, seed=seed)
+    ids = {s: tok.token_to_id(s) for s in SPECIALS}
+    tokens = SpecialTokens(bos=ids[SPECIALS[0]], eos=ids[SPECIALS[1]], pad=ids[SPECIALS[2]], image=ids["<image>"])
+    return OCRModel(cfg, encoder, decoder, tokens, tok)
+
+
+def save_run(model: OCRModel, out: Path, extra: dict[str, torch.Tensor] | None = None) -> None:
+    save_model(model, out)
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(model.tokenizer), indent=1) + "\n")
+    if extra:
+        save_file({k: v.detach().contiguous() for k, v in extra.items()}, str(out / "train_state.safetensors"))
+
+
+# ----------------------------------------------------------------------------- metrics
+def edit_distance(a, b) -> int:
+    prev = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        cur = [i]
+        for j, y in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (x != y)))
+        prev = cur
+    return prev[-1]
+
+
+def cer(hyp: str, ref: str) -> float:
+    return edit_distance(hyp, ref) / max(1, len(ref))
+
+
+def wer(hyp: str, ref: str) -> float:
+    return edit_distance(hyp.split(), ref.split()) / max(1, len(ref.split()))
+
+
+# ----------------------------------------------------------------------------- batches
+def pixels_of(pages, mode: str) -> torch.Tensor:
+    return torch.stack([view_to_tensor(make_view(p.image, mode)) for p in pages])
+
+
+def teacher_forced_loss(model: OCRModel, image_embeds: list[torch.Tensor], texts: list[str]) -> torch.Tensor:
+    """Mean cross-entropy of the page text (and EOS) given BOS + image + prompt, as the decoder reads it."""
+    prompt = model.prompt_ids(model.config["ocr_latent"]["prompt"])
+    inputs, targets = [], []
+    for emb, text in zip(image_embeds, texts):
+        ids = model.tokenizer.encode(text, add_special_tokens=False).ids + [model.tokens.eos]
+        x = model.decoder.build_inputs(emb, prompt + ids[:-1], model.tokens.bos)
+        inputs.append(x)
+        # position p predicts token p+1; only the text positions are scored
+        targets.append(torch.tensor([-100] * (x.shape[0] - len(ids)) + ids))
+    T = max(x.shape[0] for x in inputs)
+    embeds = torch.stack([F.pad(x, (0, 0, 0, T - x.shape[0])) for x in inputs])
+    target = torch.stack([F.pad(t, (0, T - t.shape[0]), value=-100) for t in targets])
+    logits = model.decoder(embeds)
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
+
+
+@torch.inference_mode()
+def read_pages(model: OCRModel, embeds: list[torch.Tensor], max_tokens: int = 256) -> list[str]:
+    """Greedy read-out of image embeddings [N, D] (already laid out) with the default prompt."""
+    prompt = model.prompt_ids(model.config["ocr_latent"]["prompt"])
+    gen = Generator(model.decoder, slots=len(embeds), eos_id=model.tokens.eos, rule=RepetitionRule(exempt=frozenset(model.tokens.td)))
+    inputs = [model.decoder.build_inputs(e, prompt, model.tokens.bos) for e in embeds]
+    return [model.detokenize(s.tokens) for s in gen.generate(inputs, [max_tokens] * len(inputs))]
+
+
+def evaluate(model: OCRModel, pages, mode: str, batch: int = 16, quantizer=None) -> dict:
+    """CER/WER of greedy reading, uncompressed or through the quantizer's codes."""
+    hyps = []
+    for i in range(0, len(pages), batch):
+        chunk = pages[i:i + batch]
+        with torch.inference_mode():
+            feats = model.encoder(pixels_of(chunk, mode))
+            if quantizer is not None:
+                feats = quantizer.decode(quantizer.encode(feats))
+        hyps += read_pages(model, [model.decoder.layout_image(f) for f in feats])
+    cers = [cer(h, p.text) for h, p in zip(hyps, pages)]
+    return {"cer": float(np.mean(cers)), "wer": float(np.mean([wer(h, p.text) for h, p in zip(hyps, pages)])),
+            "pages": len(pages), "hyps": hyps, "cers": cers}
+
+
+# ----------------------------------------------------------------------------- base training
+def curriculum(step: int, every: int) -> PageSpec:
+    """Few lines first, then the target task (3-6 lines) from step 3*every on."""
+    top = min(6, 3 + step // every) if step >= every else 3
+    low = 1 if step < every else min(3, 1 + step // every)
+    return PageSpec(min_lines=low, max_lines=top)
+
+
+def train_base(args) -> None:
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    docs = split_documents(load_corpus())
+    if (out / "config.json").exists():
+        model = load_model(out)
+        state = load_file(str(out / "train_state.safetensors"))
+        meta = json.loads((out / "train_meta.json").read_text())
+        print(f"resuming {out} at step {meta['step']}")
+    else:
+        model, state, meta = new_nano(args.seed), {}, {"step": 0, "curve": []}
+    model.encoder.train(), model.decoder.train()
+    D = model.decoder.cfg.hidden_size
+    aux_head = torch.nn.Linear(D, len(CHARSET))
+    if "aux.weight" in state:
+        aux_head.load_state_dict({"weight": state["aux.weight"], "bias": state["aux.bias"]})
+    params = [*model.encoder.parameters(), *model.decoder.parameters(), *aux_head.parameters()]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    if "opt.0.exp_avg" in state:
+        for i, p in enumerate(params):
+            opt.state[p] = {"step": state[f"opt.{i}.step"], "exp_avg": state[f"opt.{i}.exp_avg"],
+                            "exp_avg_sq": state[f"opt.{i}.exp_avg_sq"]}
+    mode, grid = model.config["ocr_latent"]["mode"], model.encoder.cfg.sam_image_size // 64
+    val_pages = [p for p in PageStream(docs["val"], PageSpec(augment=False), seed=1, length=args.val_pages)]
+    t0, step = time.time(), meta["step"]
+    bar = tqdm(total=args.steps, initial=step, desc="base", dynamic_ncols=True)
+    while step < args.steps:
+        lr = args.lr * min(1.0, (step + 1) / args.warmup)
+        if args.decay_from and step > args.decay_from:  # cosine to 10% over the remaining steps
+            frac = (step - args.decay_from) / max(1, args.steps - args.decay_from)
+            lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        stream = PageStream(docs["train"], curriculum(step, args.curriculum), seed=args.seed)
+        pages = [stream[step * args.batch + i] for i in range(args.batch)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            feats = model.encoder(pixels_of(pages, mode))
+            aux_logits = aux_head(feats)
+            text = teacher_forced_loss(model, [model.decoder.layout_image(f) for f in feats], [p.text for p in pages])
+        aux_target = torch.from_numpy(np.stack([char_targets(p, grid) for p in pages]))
+        aux = F.binary_cross_entropy_with_logits(aux_logits.float(), aux_target)
+        loss = text + args.aux_weight * aux
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(text=f"{text.item():.3f}", aux=f"{aux.item():.3f}", lr=f"{lr:.1e}")
+        row = {"step": step, "text_loss": round(text.item(), 4), "aux_loss": round(aux.item(), 4)}
+        if step % args.eval_every == 0 or step == args.steps:
+            model.encoder.eval(), model.decoder.eval()
+            row["val_cer"] = round(evaluate(model, val_pages, mode)["cer"], 4)
+            model.encoder.train(), model.decoder.train()
+            tqdm.write(f"step {step}: val CER {row['val_cer']:.3f}  text loss {text.item():.3f}  ({time.time() - t0:.0f}s)")
+        if step % 10 == 0 or "val_cer" in row:
+            meta["curve"].append(row)
+        if step % args.save_every == 0 or step == args.steps:
+            meta.update(step=step, wall_s=meta.get("wall_s", 0) + time.time() - t0, seed=args.seed, args=vars(args))
+            t0 = time.time()
+            extra = {"aux.weight": aux_head.weight, "aux.bias": aux_head.bias}
+            for i, p in enumerate(params):
+                s = opt.state.get(p)
+                if s:
+                    extra.update({f"opt.{i}.step": s["step"], f"opt.{i}.exp_avg": s["exp_avg"], f"opt.{i}.exp_avg_sq": s["exp_avg_sq"]})
+            tmp = out.with_name(out.name + ".tmp")
+            save_run(model, tmp, extra)
+            (tmp / "train_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+            if out.exists():
+                out.with_name(out.name + ".old").exists() and subprocess.run(["rm", "-rf", str(out.with_name(out.name + ".old"))])
+                out.rename(out.with_name(out.name + ".old"))
+            tmp.rename(out)
+    bar.close()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("base", help="train the nano base model from scratch (resumable)")
+    b.add_argument("--out", default="runs/nano")
+    b.add_argument("--steps", type=int, default=3000)
+    b.add_argument("--batch", type=int, default=16)
+    b.add_argument("--lr", type=float, default=1e-3)
+    b.add_argument("--warmup", type=int, default=100)
+    b.add_argument("--decay-from", type=int, default=0, help="cosine decay after this step (0: constant)")
+    b.add_argument("--aux-weight", type=float, default=1.0)
+    b.add_argument("--curriculum", type=int, default=300, help="steps per curriculum stage")
+    b.add_argument("--eval-every", type=int, default=200)
+    b.add_argument("--val-pages", type=int, default=32)
+    b.add_argument("--save-every", type=int, default=50)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--bf16", action="store_true", help="bf16 autocast (CPUs with avx512_bf16/AMX)")
+    b.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.cmd == "base":
+        train_base(args)
+
+
+if __name__ == "__main__":
+    main()
