@@ -249,8 +249,8 @@ class RepetitionRule:
     max_period: int = 128  # exact cycles: a block of <= max_period tokens repeated
     min_cycle_span: int = 48  # ... covering at least this many tokens, and at least 3 copies
     fuzzy_window: int = 240  # near-cycles the n-gram ban bends but does not break:
-    fuzzy_gram: int = 12  # few distinct 12-grams among the last 240 tokens
-    fuzzy_min_distinct: float = 0.3
+    fuzzy_gram: int = 8  # under 35% of the 8-grams among the last 240 tokens are distinct
+    fuzzy_min_distinct: float = 0.35
 
     def banned(self, generated: list[int]) -> set[int]:
         n = self.ngram

@@ -1,8 +1,8 @@
 """Finite scalar quantisation (Mentzer et al. 2023) of vision tokens into 4-bit codes.
 
 features [B, T, D] --proj_in--> [B, T, dims] --tanh bound, round (straight-through)--> integer
-levels --> codes 0..L-1, flattened token-major to [B, T*dims]. Decoding maps codes back to the
-level grid and through proj_out to [B, T, D]. Both projections are learned; the base is frozen.
+levels --> codes 0..L-1, flattened token-major to [B, T*dims]. Decoding maps codes back through
+the inverse bound and proj_out to [B, T, D]. Only the quantizer learns; the base stays frozen.
 """
 from __future__ import annotations
 
@@ -16,62 +16,65 @@ from torch import Tensor, nn
 
 
 class FSQ(nn.Module):
+    """features --proj_in--> z [.., dims] --tanh bound--> u in (-L/2, L/2) --round--> level --> code.
+
+    The way back maps a level to the z whose bound it is (the exact inverse of the tanh), then
+    proj_out. proj_in is the pseudo-inverse of the learned proj_out, so codes -> features -> codes
+    is the identity by construction, and the straight-through gradient w.r.t. z is exactly 1."""
+
     def __init__(self, embed_dim: int, tokens: int, levels: list[int]):
         super().__init__()
         assert all(2 <= l <= 16 for l in levels), "4-bit codes need 2..16 levels per dimension"
         self.embed_dim, self.tokens, self.levels = embed_dim, tokens, list(levels)
         self.dims = len(levels)
         L = torch.tensor(levels, dtype=torch.float32)
-        self.register_buffer("half_levels", (L - 1) / 2, persistent=False)  # tanh range
+        self.register_buffer("half_range", (L - 1) / 2 * (1 + 1e-3), persistent=False)  # tanh scale
         # even level counts sit between integers: shift by half a step so rounding gives L values
         self.register_buffer("offset", (1 - L % 2) / 2, persistent=False)
         self.register_buffer("half_width", L // 2, persistent=False)  # code = level + half_width
-        self.proj_in = nn.Linear(embed_dim, self.dims)
         self.proj_out = nn.Linear(self.dims, embed_dim)
+        nn.init.orthogonal_(self.proj_out.weight)
 
     @property
     def num_codes(self) -> int:
         return self.tokens * self.dims
 
+    def proj_in(self, features: Tensor) -> Tensor:
+        """Least-squares inverse of proj_out: features [.., D] -> z [.., dims]."""
+        pinv = torch.linalg.pinv(self.proj_out.weight.float())
+        return (features.float() - self.proj_out.bias.float()) @ pinv.T
+
     def bound(self, z: Tensor) -> Tensor:
-        shift = torch.atanh(self.offset / (self.half_levels * (1 + 1e-3)))
-        return torch.tanh(z + shift) * self.half_levels * (1 + 1e-3) - self.offset
+        return torch.tanh(z + torch.atanh(self.offset / self.half_range)) * self.half_range - self.offset
 
-    def quantize(self, features: Tensor) -> Tensor:
-        """Continuous features -> rounded levels (straight-through gradient), [B, T, dims]."""
-        z = self.bound(self.proj_in(features.float()))
-        return z + (z.round() - z).detach()
-
-    def dequantize_levels(self, levels: Tensor) -> Tensor:
-        return self.proj_out(levels / self.half_width)
+    def unbound(self, u: Tensor) -> Tensor:
+        return torch.atanh((u + self.offset) / self.half_range) - torch.atanh(self.offset / self.half_range)
 
     def forward(self, features: Tensor) -> Tensor:
-        """Training path: features -> quantised -> reconstructed features, differentiable."""
-        return self.dequantize_levels(self.quantize(features))
+        """Training path: features -> quantised -> reconstructed features, straight-through."""
+        z = self.proj_in(features)
+        z_hat = self.unbound(self.bound(z).round())
+        return self.proj_out(z + (z_hat - z).detach())
 
     def encode(self, features: Tensor) -> Tensor:
         """[B, T, D] -> codes [B, T*dims] uint8 in 0..L-1."""
-        levels = self.quantize(features).round()
+        levels = self.bound(self.proj_in(features)).round()
         return (levels + self.half_width).to(torch.uint8).flatten(1)
 
     def decode(self, codes: Tensor) -> Tensor:
         """codes [B, T*dims] (any int dtype) -> features [B, T, D] float32."""
-        levels = codes.view(codes.shape[0], self.tokens, self.dims).float() - self.half_width
-        return self.dequantize_levels(levels)
+        levels = codes.reshape(codes.shape[0], self.tokens, self.dims).float() - self.half_width
+        return self.proj_out(self.unbound(levels))
 
     @torch.no_grad()
-    def init_from_pca(self, features: Tensor, spread: float = 1.0) -> None:
-        """Start from the top `dims` principal directions, scaled so each projected coordinate has
-        std `spread` (inside the tanh's linear range), and proj_out as their inverse."""
+    def init_from_pca(self, features: Tensor, spread: float = 0.3) -> None:
+        """Start from the top `dims` principal directions, scaled so each z coordinate has std
+        `spread`: inside the tanh's near-linear range, where the levels are finely spaced in z."""
         x = features.reshape(-1, self.embed_dim).float()
         mean = x.mean(0)
         _, s, vh = torch.linalg.svd(x - mean, full_matrices=False)
-        basis, std = vh[: self.dims], s[: self.dims] / (x.shape[0] - 1) ** 0.5
-        self.proj_in.weight.copy_(basis * (spread / std)[:, None])
-        self.proj_in.bias.copy_(-(basis @ mean) * spread / std)
-        # levels / half_width recovers z / half_width; undo the scaling back to feature space
-        zscale = self.half_width * std / spread  # normalised level -> principal coordinate
-        self.proj_out.weight.copy_(basis.T * zscale[None, :])
+        std = s[: self.dims] / (x.shape[0] - 1) ** 0.5
+        self.proj_out.weight.copy_(vh[: self.dims].T * (std / spread)[None, :])
         self.proj_out.bias.copy_(mean)
 
     # --------------------------------------------------------------------------- files

@@ -10,6 +10,7 @@ projector -> MoE decoder) with a character-level tokenizer, reading the rendered
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import subprocess
@@ -22,9 +23,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from checkpoint import OCRModel, SpecialTokens, build_modules, init_weights, load_model, save_model
+from checkpoint import OCRModel, SpecialTokens, build_modules, file_sha256, init_weights, load_model, save_model
 from decoder import Generator, RepetitionRule
-from encoder import view_to_tensor, make_view
+from encoder import MODES, make_view, view_to_tensor
 from pages import CHARSET, PageSpec, PageStream, char_targets, load_corpus, sources_manifest, split_documents
 
 ROOT = Path(__file__).resolve().parent
@@ -237,6 +238,141 @@ def train_base(args) -> None:
     bar.close()
 
 
+# ----------------------------------------------------------------------------- manifest
+def code_commit() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return rev + ("+uncommitted" if dirty else "") if rev else "unknown"
+    except OSError:
+        return "unknown"
+
+
+def update_manifest(artifact: str, record: dict, path: Path = ROOT / "training_manifest.json") -> str:
+    """Record one trained artifact in training_manifest.json; returns the record's sha256."""
+    manifest = json.loads(path.read_text()) if path.exists() else {"artifacts": {}}
+    record = {**record, "code_commit": code_commit(), "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    manifest["artifacts"][artifact] = record
+    path.write_text(json.dumps(manifest, indent=1) + "\n")
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def data_record(docs: dict, seed: int, spec: PageSpec, pages: dict) -> dict:
+    return {"generator": "pages.py (rendered with Pillow, DejaVu fonts)", "seed": seed, "page_spec": vars(spec) | {"fonts": list(spec.fonts)},
+            "split_by": "document", "pages": pages, "sources": sources_manifest(docs)}
+
+
+def export_base(args) -> None:
+    """Copy a training run's model (not its optimiser state) to a servable original-layout directory."""
+    run, to = Path(args.run), Path(args.to)
+    model = load_model(run)
+    meta = json.loads((run / "train_meta.json").read_text())
+    save_run(model, to)
+    docs = split_documents(load_corpus())
+    val = evaluate(load_model(to), list(PageStream(docs["test"], PageSpec(augment=False), seed=2, length=args.test_pages)),
+                   model.config["ocr_latent"]["mode"])
+    record = {"kind": "base model trained from scratch", "dir": str(to.relative_to(ROOT)) if to.is_absolute() else str(to),
+              "config": model.config, "steps": meta["step"], "wall_s": round(meta.get("wall_s", 0)),
+              "hyperparameters": meta.get("args", {}), "seed": meta.get("seed"),
+              "curve": meta["curve"], "data": data_record(docs, meta.get("seed", 0), PageSpec(), {"train": "stream, batch x steps",
+                                                                                               "test": args.test_pages}),
+              "test_metrics_uncompressed": {"cer": round(val["cer"], 4), "wer": round(val["wer"], 4), "pages": val["pages"]},
+              "weights_sha256": file_sha256(to / "model-00001-of-000001.safetensors")}
+    update_manifest(f"{to.name}/base", record)
+    print(f"exported step {meta['step']} to {to}: test CER {val['cer']:.4f} WER {val['wer']:.4f} on {val['pages']} pages")
+
+
+# ----------------------------------------------------------------------------- quantizer training
+def page_batches(args, docs):
+    """(images, texts) batches: rendered pages of the train split, or IMAGE + .txt pairs from --data DIR."""
+    if args.data == "pages":
+        stream = PageStream(docs["train"], PageSpec(), seed=args.seed + 100)
+        step = 0
+        while True:
+            pages = [stream[step * args.batch + i] for i in range(args.batch)]
+            yield [p.image for p in pages], [p.text for p in pages]
+            step += 1
+    from PIL import Image
+    files = sorted(f for f in Path(args.data).iterdir() if f.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff")
+                   and f.with_suffix(".txt").exists())
+    if not files:
+        raise SystemExit(f"--data {args.data}: no image files with a .txt transcript beside them")
+    rng = np.random.default_rng(args.seed)
+    while True:
+        for chunk in np.array_split(rng.permutation(len(files)), max(1, len(files) // args.batch)):
+            yield ([Image.open(files[i]) for i in chunk], [files[i].with_suffix(".txt").read_text().strip() for i in chunk])
+
+
+def train_quantizer(args) -> None:
+    from pipeline import base_fingerprint, NUM_CODES
+    from quantizer import FSQ
+    torch.manual_seed(args.seed)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    model = load_model(args.base, dtype, args.device)
+    for p in [*model.encoder.parameters(), *model.decoder.parameters()]:
+        p.requires_grad_(False)
+    mode = model.config.get("ocr_latent", {}).get("mode", "base")
+    tokens = (MODES[mode][0] // 64) ** 2
+    fsq = FSQ(model.decoder.cfg.hidden_size, tokens, [args.levels] * (NUM_CODES // tokens)).to(args.device)
+    docs = split_documents(load_corpus())
+    batches = page_batches(args, docs)
+    prompt = model.config.get("ocr_latent", {}).get("prompt", FREE_PROMPT)
+    model.config.setdefault("ocr_latent", {"mode": mode, "prompt": prompt})
+
+    def features(images):
+        with torch.no_grad():
+            p = model.encoder.projector.layers.weight
+            return model.encoder(torch.stack([view_to_tensor(make_view(im, mode)) for im in images]).to(p.device, p.dtype)).float()
+
+    if args.init == "pca":
+        fsq.init_from_pca(torch.cat([features(next(batches)[0]) for _ in range(args.pca_batches)]))
+    opt = torch.optim.AdamW(fsq.parameters(), lr=args.lr, weight_decay=0.0)
+    if args.grad_ckpt:  # recompute decoder layers in backward: activations of a 3B MoE are large
+        for layer in model.decoder.layers:
+            layer.forward = (lambda f: lambda *a, **k: torch.utils.checkpoint.checkpoint(f, *a, use_reentrant=False, **k))(layer.forward)
+    curve, t0 = [], time.time()
+    peak_mem = 0
+    bar = tqdm(range(args.steps), desc="quantizer", dynamic_ncols=True)
+    for step in bar:
+        images, texts = next(batches)
+        feats = features(images)
+        recon = fsq(feats)
+        with torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            ce = teacher_forced_loss(model, [model.decoder.layout_image(r.to(dtype)) for r in recon], texts)
+        mse = F.mse_loss(recon, feats) / feats.var().clamp_min(1e-8)
+        loss = ce + args.recon_weight * mse
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(fsq.parameters(), 1.0)
+        opt.step()
+        if args.device.startswith("cuda"):
+            peak_mem = max(peak_mem, torch.cuda.max_memory_allocated())
+        bar.set_postfix(ce=f"{ce.item():.3f}", mse=f"{mse.item():.3f}")
+        curve.append({"step": step + 1, "ce": round(ce.item(), 4), "rel_mse": round(mse.item(), 4)})
+    wall = time.time() - t0
+    out = Path(args.out or Path(args.base) / "quantizer.safetensors")
+    metrics = {}
+    if args.data == "pages" and args.eval_pages:
+        test = list(PageStream(docs["test"], PageSpec(augment=False), seed=2, length=args.eval_pages))
+        plain, coded = evaluate(model, test, mode), evaluate(model, test, mode, quantizer=fsq)
+        metrics = {"test_pages": len(test), "cer_uncompressed": round(plain["cer"], 4), "cer_codes": round(coded["cer"], 4),
+                   "wer_uncompressed": round(plain["wer"], 4), "wer_codes": round(coded["wer"], 4)}
+        print(json.dumps(metrics))
+    record = {"kind": "FSQ quantizer (base frozen)", "base_model": model.name, "base_dir": str(args.base),
+              "base_fingerprint": base_fingerprint(model), "geometry": fsq.geometry(), "steps": args.steps,
+              "wall_s": round(wall, 1), "sec_per_step": round(wall / max(1, args.steps), 3),
+              "peak_gpu_mem_gb": round(peak_mem / 2**30, 2) if peak_mem else None,
+              "hyperparameters": {k: v for k, v in vars(args).items() if k != "cmd"},
+              "data": data_record(docs, args.seed + 100, PageSpec(), {"train": args.steps * args.batch}) if args.data == "pages"
+              else {"dir": args.data}, "curve": curve[::max(1, len(curve) // 100)], "final_metrics": metrics}
+    digest = update_manifest(f"{out.parent.name}/quantizer", record)
+    fsq.cpu().save(out, {"base_model": model.name, "base_fingerprint": record["base_fingerprint"],
+                         "manifest_sha256": digest, "final_metrics": metrics, "mode": mode})
+    print(f"wrote {out} ({wall:.0f}s, {wall / max(1, args.steps):.2f}s/step"
+          + (f", peak GPU memory {peak_mem / 2**30:.1f} GiB" if peak_mem else "") + ")")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -255,10 +391,31 @@ def main(argv=None) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--bf16", action="store_true", help="bf16 autocast (CPUs with avx512_bf16/AMX)")
     b.add_argument("--threads", type=int, default=1)
+    e = sub.add_parser("export", help="copy a training run's model to a servable directory")
+    e.add_argument("--run", default="runs/nano")
+    e.add_argument("--to", default="weights/nano")
+    e.add_argument("--test-pages", type=int, default=64)
+    e.add_argument("--threads", type=int, default=1)
+    q = sub.add_parser("quantizer", help="train the FSQ quantizer of a frozen base")
+    q.add_argument("--base", default="weights/nano", help="original-layout checkpoint directory")
+    q.add_argument("--out", help="default: BASE/quantizer.safetensors")
+    q.add_argument("--data", default="pages", help="'pages' (rendered) or a directory of images with .txt transcripts")
+    q.add_argument("--steps", type=int, default=400)
+    q.add_argument("--batch", type=int, default=16)
+    q.add_argument("--lr", type=float, default=1e-3)
+    q.add_argument("--levels", type=int, default=16)
+    q.add_argument("--init", choices=["pca", "random"], default="pca")
+    q.add_argument("--pca-batches", type=int, default=4)
+    q.add_argument("--recon-weight", type=float, default=0.1)
+    q.add_argument("--eval-pages", type=int, default=64)
+    q.add_argument("--device", default="cpu")
+    q.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    q.add_argument("--grad-ckpt", action="store_true")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.cmd == "base":
-        train_base(args)
+    {"base": train_base, "export": export_base, "quantizer": train_quantizer}[args.cmd](args)
 
 
 if __name__ == "__main__":

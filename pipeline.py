@@ -1,0 +1,105 @@
+"""The two halves of the product around a loaded base model and its trained quantizer.
+
+encode: page images -> DeepEncoder features -> FSQ codes [B, 4096] (uint8, 0..15)
+decode: codes -> dequantized features -> image embeddings laid out as DeepSeek-OCR does -> decoder
+inputs; generation itself runs on a `decoder.Generator` owned by the caller (the server's worker).
+Nothing but the codes and the prompt crosses from encode to decode.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from checkpoint import CheckpointError, OCRModel, load_model, verify_pin
+from decoder import Generator, RepetitionRule
+from encoder import make_view, view_to_tensor
+from quantizer import FSQ
+
+ROOT = Path(__file__).resolve().parent
+ARCHITECTURE = json.loads((ROOT / "architecture.json").read_text())
+NUM_CODES, BITS_PER_CODE = ARCHITECTURE["codes"]["num_codes"], ARCHITECTURE["codes"]["bits_per_code"]
+
+
+def base_fingerprint(model: OCRModel) -> str:
+    """Identifies a base model's weights cheaply: its config plus the projector it feeds the codes from."""
+    h = hashlib.sha256(json.dumps(model.config, sort_keys=True).encode())
+    h.update(model.encoder.projector.layers.weight.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class Pipeline:
+    def __init__(self, model: OCRModel, quantizer: FSQ, mode: str, label: str, revision: str):
+        self.model, self.quantizer, self.mode = model, quantizer.to(model.encoder.projector.layers.weight.device), mode
+        self.label, self.revision = label, revision
+        self.device = str(model.encoder.projector.layers.weight.device)
+        prompts = ARCHITECTURE["prompts"] if model.tokenizer is not None else {}
+        # prompts the model's tokenizer can spell ("markdown" needs <|grounding|> as one token)
+        self.prompts = {k: model.prompt_ids(p) for k, p in prompts.items() if self._spellable(p)}
+        self.rule = RepetitionRule(**ARCHITECTURE["generation"]["repetition"], exempt=frozenset(model.tokens.td))
+
+    def _spellable(self, prompt: str) -> bool:
+        special = [t for t in ("<|grounding|>",) if t in prompt]
+        return all(self.model.tokenizer.token_to_id(t) is not None for t in special)
+
+    @torch.inference_mode()
+    def encode(self, images: list[Image.Image]) -> np.ndarray:
+        """Pages -> codes [B, NUM_CODES] uint8; one batched forward through the towers."""
+        p = self.model.encoder.projector.layers.weight
+        pixels = torch.stack([view_to_tensor(make_view(im, self.mode)) for im in images]).to(p.device, p.dtype)
+        return self.quantizer.encode(self.model.encoder(pixels).float()).cpu().numpy()
+
+    @torch.inference_mode()
+    def decode_inputs(self, codes: np.ndarray, prompt: str) -> torch.Tensor:
+        """Codes [NUM_CODES] + prompt name -> decoder input embeddings [L, D]."""
+        d = self.model.decoder
+        feats = self.quantizer.decode(torch.as_tensor(codes, dtype=torch.uint8, device=d.lm_head.weight.device)[None])[0]
+        return d.build_inputs(d.layout_image(feats.to(d.lm_head.weight.dtype)), self.prompts[prompt], self.model.tokens.bos)
+
+    def new_generator(self, slots: int) -> Generator:
+        return Generator(self.model.decoder, slots, self.model.tokens.eos, self.rule)
+
+    def text(self, tokens: list[int]) -> str:
+        return self.model.detokenize(tokens)
+
+
+def load_quantizer(path: Path, model: OCRModel) -> FSQ:
+    if not path.exists():
+        raise CheckpointError(f"quantizer {path} not found: train one with `python train.py quantizer --base "
+                              f"{model.config.get('_name_or_path')}` or point QUANTIZER= at it")
+    fsq, meta = FSQ.load(path)
+    expected = base_fingerprint(model)
+    if meta.get("base_fingerprint") != expected:
+        raise CheckpointError(f"quantizer {path} was trained for base {meta.get('base_model')!r} "
+                              f"(fingerprint {meta.get('base_fingerprint')}), not for the loaded base "
+                              f"{model.name!r} (fingerprint {expected}): train a quantizer for this base with "
+                              f"`python train.py quantizer --base DIR`")
+    if fsq.num_codes != NUM_CODES or fsq.embed_dim != model.decoder.cfg.hidden_size:
+        raise CheckpointError(f"quantizer {path} makes {fsq.num_codes} codes of width {fsq.embed_dim}; "
+                              f"this service needs {NUM_CODES} for embeddings of width {model.decoder.cfg.hidden_size}")
+    return fsq
+
+
+def load_pipeline(model_dir: str | None = None, quantizer: str | None = None, device: str = "cpu",
+                  dtype: str = "float32") -> Pipeline:
+    """MODEL_DIR unset: the embedded nano model (weights/nano). Else an original-layout DeepSeek-OCR
+    directory with the quantizer trained for it (weights/deepseek-ocr/ by default)."""
+    if model_dir is None:
+        model_dir = str(ROOT / "weights" / "nano")
+        base = ARCHITECTURE["nano"]
+        label = "nano"
+    else:
+        base = ARCHITECTURE["base_model"]
+        label = Path(model_dir).name
+        if os.environ.get("VERIFY_PIN") == "1":
+            verify_pin(model_dir, base["pin"])
+    model = load_model(model_dir, dtype, device)
+    fsq = load_quantizer(Path(quantizer or ROOT / base["quantizer"]), model)
+    # a checkpoint in nano format (e.g. a copy of weights/nano given as MODEL_DIR) names its own view mode
+    mode = model.config.get("ocr_latent", {}).get("mode", base["mode"])
+    return Pipeline(model, fsq, mode, label, base["revision"])

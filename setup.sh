@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Make .venv hold exactly the dependencies pinned in pyproject.toml. A no-op when it already does
+# (a stamp named after pyproject.toml's hash), so serve.sh and test.sh can call it every time.
+set -euo pipefail
+cd "$(dirname "$0")"
+stamp=".venv/.deps-$(sha256sum pyproject.toml | cut -c1-16)"
+[ -f "$stamp" ] && exit 0
+python3 -m venv .venv
+python3 - > .venv/requirements.txt <<'PY'
+import tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+print("\n".join(project["dependencies"] + project["optional-dependencies"]["test"]))
+PY
+echo "setup: installing pinned dependencies into .venv (first run only)" >&2
+.venv/bin/python -m pip install --disable-pip-version-check -q -r .venv/requirements.txt
+rm -f .venv/.deps-*
+touch "$stamp"
