@@ -68,21 +68,21 @@ class Pipeline:
         return self.model.detokenize(tokens)
 
 
-def load_quantizer(path: Path, model: OCRModel) -> FSQ:
+def load_quantizer(path: Path, model: OCRModel, model_dir: str | Path = "MODEL_DIR") -> tuple[FSQ, dict]:
     if not path.exists():
         raise CheckpointError(f"quantizer {path} not found: train one with `python train.py quantizer --base "
-                              f"{model.config.get('_name_or_path')}` or point QUANTIZER= at it")
+                              f"{model_dir} --out {path}` or point QUANTIZER= at a trained one")
     fsq, meta = FSQ.load(path)
     expected = base_fingerprint(model)
     if meta.get("base_fingerprint") != expected:
         raise CheckpointError(f"quantizer {path} was trained for base {meta.get('base_model')!r} "
                               f"(fingerprint {meta.get('base_fingerprint')}), not for the loaded base "
                               f"{model.name!r} (fingerprint {expected}): train a quantizer for this base with "
-                              f"`python train.py quantizer --base DIR`")
+                              f"`python train.py quantizer --base {model_dir}`")
     if fsq.num_codes != NUM_CODES or fsq.embed_dim != model.decoder.cfg.hidden_size:
         raise CheckpointError(f"quantizer {path} makes {fsq.num_codes} codes of width {fsq.embed_dim}; "
                               f"this service needs {NUM_CODES} for embeddings of width {model.decoder.cfg.hidden_size}")
-    return fsq
+    return fsq, meta
 
 
 def load_pipeline(model_dir: str | None = None, quantizer: str | None = None, device: str = "cpu",
@@ -90,16 +90,15 @@ def load_pipeline(model_dir: str | None = None, quantizer: str | None = None, de
     """MODEL_DIR unset: the embedded nano model (weights/nano). Else an original-layout DeepSeek-OCR
     directory with the quantizer trained for it (weights/deepseek-ocr/ by default)."""
     if model_dir is None:
-        model_dir = str(ROOT / "weights" / "nano")
-        base = ARCHITECTURE["nano"]
-        label = "nano"
+        model_dir, label = str(ROOT / "weights" / "nano"), "nano"
     else:
-        base = ARCHITECTURE["base_model"]
         label = Path(model_dir).name
         if os.environ.get("VERIFY_PIN") == "1":
-            verify_pin(model_dir, base["pin"])
+            verify_pin(model_dir, ARCHITECTURE["base_model"]["pin"])
     model = load_model(model_dir, dtype, device)
-    fsq = load_quantizer(Path(quantizer or ROOT / base["quantizer"]), model)
-    # a checkpoint in nano format (e.g. a copy of weights/nano given as MODEL_DIR) names its own view mode
+    # a checkpoint in nano format (weights/nano or a copy) names its own mode; the rest is DeepSeek-OCR
+    base = ARCHITECTURE["nano"] if "ocr_latent" in model.config else ARCHITECTURE["base_model"]
+    default_quantizer = Path(model_dir) / "quantizer.safetensors" if "ocr_latent" in model.config else ROOT / base["quantizer"]
+    fsq, _ = load_quantizer(Path(quantizer or default_quantizer), model, model_dir)
     mode = model.config.get("ocr_latent", {}).get("mode", base["mode"])
     return Pipeline(model, fsq, mode, label, base["revision"])

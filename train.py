@@ -279,7 +279,7 @@ def export_base(args) -> None:
                                                                                                "test": args.test_pages}),
               "test_metrics_uncompressed": {"cer": round(val["cer"], 4), "wer": round(val["wer"], 4), "pages": val["pages"]},
               "weights_sha256": file_sha256(to / "model-00001-of-000001.safetensors")}
-    update_manifest(f"{to.name}/base", record)
+    update_manifest(f"{to.name}/base", record, Path(args.manifest))
     print(f"exported step {meta['step']} to {to}: test CER {val['cer']:.4f} WER {val['wer']:.4f} on {val['pages']} pages")
 
 
@@ -366,7 +366,7 @@ def train_quantizer(args) -> None:
               "hyperparameters": {k: v for k, v in vars(args).items() if k != "cmd"},
               "data": data_record(docs, args.seed + 100, PageSpec(), {"train": args.steps * args.batch}) if args.data == "pages"
               else {"dir": args.data}, "curve": curve[::max(1, len(curve) // 100)], "final_metrics": metrics}
-    digest = update_manifest(f"{out.parent.name}/quantizer", record)
+    digest = update_manifest(f"{out.parent.name}/quantizer", record, Path(args.manifest))
     fsq.cpu().save(out, {"base_model": model.name, "base_fingerprint": record["base_fingerprint"],
                          "manifest_sha256": digest, "final_metrics": metrics, "mode": mode})
     print(f"wrote {out} ({wall:.0f}s, {wall / max(1, args.steps):.2f}s/step"
@@ -396,6 +396,7 @@ def main(argv=None) -> None:
     e.add_argument("--to", default="weights/nano")
     e.add_argument("--test-pages", type=int, default=64)
     e.add_argument("--threads", type=int, default=1)
+    e.add_argument("--manifest", default=str(ROOT / "training_manifest.json"))
     q = sub.add_parser("quantizer", help="train the FSQ quantizer of a frozen base")
     q.add_argument("--base", default="weights/nano", help="original-layout checkpoint directory")
     q.add_argument("--out", help="default: BASE/quantizer.safetensors")
@@ -413,6 +414,7 @@ def main(argv=None) -> None:
     q.add_argument("--grad-ckpt", action="store_true")
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--threads", type=int, default=1)
+    q.add_argument("--manifest", default=str(ROOT / "training_manifest.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     {"base": train_base, "export": export_base, "quantizer": train_quantizer}[args.cmd](args)

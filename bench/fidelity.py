@@ -1,0 +1,112 @@
+"""Fidelity of reading through the codes: CER/WER uncompressed and through the 4096 codes.
+
+  python bench/fidelity.py                      # nano + its quantizer on held-out rendered test pages
+  python bench/fidelity.py --base DIR --quantizer Q.safetensors --pages-dir DIR   # IMAGE + .txt pairs
+  python bench/fidelity.py --url http://127.0.0.1:8000   # the same pages through a running server
+
+Prints one row per setting, bits per character of the page text (16,384 bits / characters), and
+the worst pages. All figures come from this one run.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pages import PageSpec, PageStream, load_corpus, split_documents  # noqa: E402
+from pipeline import NUM_CODES, BITS_PER_CODE, load_pipeline  # noqa: E402
+from train import cer, read_pages, wer  # noqa: E402
+
+
+def test_pages(args) -> list[tuple[Image.Image, str]]:
+    if args.pages_dir:
+        files = sorted(f for f in Path(args.pages_dir).iterdir() if f.with_suffix(".txt").exists() and f.suffix != ".txt")
+        return [(Image.open(f), f.with_suffix(".txt").read_text().strip()) for f in files[: args.pages]]
+    stream = PageStream(split_documents(load_corpus())["test"], PageSpec(augment=args.augment), seed=args.seed)
+    return [(p.image, p.text) for p in (stream[i] for i in range(args.pages))]
+
+
+def post(url: str, payload: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(payload).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())
+
+
+def via_server(url: str, pages) -> list[str]:
+    out = []
+    for image, _ in pages:
+        buf = io.BytesIO()
+        image.save(buf, "PNG")
+        codes = post(f"{url}/encode", {"image": base64.b64encode(buf.getvalue()).decode()})
+        out.append(post(f"{url}/decode", {"codes_b64": codes["codes_b64"], "max_tokens": 512})["text"])
+    return out
+
+
+def local(pipe, pages, through_codes: bool, batch: int = 16) -> list[str]:
+    model, hyps = pipe.model, []
+    for i in range(0, len(pages), batch):
+        images = [im for im, _ in pages[i:i + batch]]
+        with torch.inference_mode():
+            if through_codes:  # exactly what /encode then /decode compute
+                codes = pipe.encode(images)
+                feats = pipe.quantizer.decode(torch.as_tensor(codes))
+            else:
+                p = model.encoder.projector.layers.weight
+                from encoder import make_view, view_to_tensor
+                feats = model.encoder(torch.stack([view_to_tensor(make_view(im, pipe.mode)) for im in images]).to(p.device, p.dtype))
+        hyps += read_pages(model, [model.decoder.layout_image(f.to(model.decoder.lm_head.weight.dtype)) for f in feats], 512)
+    return hyps
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", help="original-layout checkpoint (default: embedded nano)")
+    ap.add_argument("--quantizer")
+    ap.add_argument("--pages", type=int, default=64)
+    ap.add_argument("--pages-dir", help="IMAGE + .txt pairs instead of rendered test pages")
+    ap.add_argument("--augment", action="store_true", help="render test pages with noise/blur/JPEG")
+    ap.add_argument("--seed", type=int, default=2)
+    ap.add_argument("--url", help="also read the pages through a running server")
+    ap.add_argument("--worst", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    pages = test_pages(args)
+    refs = [t for _, t in pages]
+    pipe = load_pipeline(args.base, args.quantizer)
+    chars = np.mean([len(t) for t in refs])
+    print(f"model {pipe.label} ({pipe.model.name}), mode {pipe.mode}, {len(pages)} test pages, "
+          f"{np.mean([len(t.splitlines()) for t in refs]):.1f} lines / {chars:.0f} characters per page on average")
+    print(f"bits per character: {NUM_CODES * BITS_PER_CODE / chars:.1f} ({NUM_CODES} codes x {BITS_PER_CODE} bits / {chars:.0f} characters)")
+    settings = [("uncompressed", lambda: local(pipe, pages, False)), ("through codes", lambda: local(pipe, pages, True))]
+    if args.url:
+        settings.append(("server " + args.url, lambda: via_server(args.url.rstrip("/"), pages)))
+    results = {}
+    print(f"{'setting':<28} {'CER':>7} {'WER':>7} {'exact pages':>12} {'seconds':>8}")
+    for name, run in settings:
+        t = time.time()
+        hyps = run()
+        cers = [cer(h, r) for h, r in zip(hyps, refs)]
+        results[name] = (hyps, cers)
+        print(f"{name:<28} {np.mean(cers):>7.4f} {np.mean([wer(h, r) for h, r in zip(hyps, refs)]):>7.4f} "
+              f"{sum(c == 0 for c in cers):>6}/{len(cers):<5} {time.time() - t:>8.1f}")
+    plain, coded = np.mean(results["uncompressed"][1]), np.mean(results["through codes"][1])
+    print(f"CER through codes - uncompressed: {100 * (coded - plain):+.2f} points")
+    hyps, cers = results["through codes"]
+    print(f"worst pages through the codes:")
+    for i in np.argsort(cers)[::-1][: args.worst]:
+        print(f"  page {i}: CER {cers[i]:.3f}\n    truth: {refs[i]!r}\n    read:  {hyps[i]!r}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Start the ocr-latent HTTP service in the foreground.
+#
+#   ./serve.sh                                              # embedded nano model, CPU, 0.0.0.0:8000
+#   MODEL_DIR=/models/DeepSeek-OCR DEVICE=cuda DTYPE=bf16 ./serve.sh
+#
+# First sets up what is missing (setup.sh: .venv with the versions pinned in pyproject.toml; a no-op
+# once its stamp matches pyproject.toml's hash), then runs server.py (uvicorn) on
+# ${HOST:-0.0.0.0}:${PORT:-8000}. Configuration is by environment variable: see README.md, "Service".
+#
+# Exit status: 1 when the model cannot be loaded (missing or mismatched quantizer, bad MODEL_DIR, ...;
+# the reason and the fix are printed last), 2 when .venv cannot be set up, 0 after Ctrl-C; SIGTERM
+# drains in-flight requests (up to 10 s) and ends the process by that signal.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+if ! ./setup.sh; then
+  echo "serve.sh: could not set up .venv (see above); install the pins of pyproject.toml into .venv" >&2
+  exit 2
+fi
+
+export HOST=${HOST:-0.0.0.0} PORT=${PORT:-8000}
+exec .venv/bin/python server.py

@@ -1,0 +1,503 @@
+"""End-to-end tests of the HTTP service (server.py) over real HTTP on loopback.
+
+A module-scoped fixture starts `python server.py` (uvicorn) on a free port with the embedded nano
+model, with small body/pixel limits and a short artificial load delay (OCR_LATENT_TEST_LOAD_DELAY_S)
+so that the loading window is observable. Two more short-lived servers run a randomly initialised
+model of the nano architecture (see `looping_model`): greedy decoding of such a model falls into
+loops deterministically, which the trained nano is too good (or too quick to emit EOS) to do on
+demand, and its long generations make the queue-full, disconnect and timeout cases reliable.
+
+TORCH_THREADS=1: the CI box has 2 cores shared with a training job; oversubscribed OpenMP threads
+make every decode step ~50x slower.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pages import PageSpec, PageStream, load_corpus, split_documents  # noqa: E402
+from quantizer import unpack  # noqa: E402
+
+NUM_CODES = 4096
+BODY_LIMIT, PIXEL_LIMIT = 1_000_000, 1_000_000
+
+
+# ----------------------------------------------------------------------------- servers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python server.py` in a subprocess; records /health answers while it starts."""
+
+    def __init__(self, tmp: Path, name: str, **env):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / f"{name}.log"
+        full_env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(self.port), "TORCH_THREADS": "1",
+                    "LOG_LEVEL": "warning", **{k: str(v) for k, v in env.items()}}
+        self.log_file = open(self.log_path, "w")
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, "server.py"], cwd=ROOT, env=full_env,
+                                     stdout=self.log_file, stderr=subprocess.STDOUT)
+        self.health_history: list[tuple[int, dict, dict]] = []  # (status, body, headers)
+        self.startup_s: float | None = None
+
+    def log(self) -> str:
+        return self.log_path.read_text()[-4000:]
+
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        deadline = self.started + timeout
+        with httpx.Client(timeout=2.0) as c:
+            while time.monotonic() < deadline:
+                assert self.proc.poll() is None, f"server exited with {self.proc.returncode}:\n{self.log()}"
+                try:
+                    r = c.get(self.url + "/health")
+                except httpx.TransportError:
+                    time.sleep(0.05)
+                    continue
+                self.health_history.append((r.status_code, r.json(), dict(r.headers)))
+                if r.status_code == 200:
+                    self.startup_s = time.monotonic() - self.started
+                    return
+                time.sleep(0.05)
+        raise AssertionError(f"not healthy within {timeout}s:\n{self.log()}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log_file.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("server"), "nano", OCR_LATENT_TEST_LOAD_DELAY_S=1.0,
+                 MAX_BODY_BYTES=BODY_LIMIT, MAX_IMAGE_PIXELS=PIXEL_LIMIT, DECODE_SLOTS=16, ENCODE_MAX_BATCH=8)
+    try:
+        srv.wait_healthy(30)
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=60.0, limits=httpx.Limits(max_connections=64)) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def looping_model(tmp_path_factory) -> Path:
+    """The nano architecture with random weights (init_weights, seed 0) and the nano quantizer re-signed
+    for it: an original-layout directory for MODEL_DIR/QUANTIZER."""
+    from checkpoint import init_weights, load_model, save_model
+    from pipeline import base_fingerprint
+    from quantizer import FSQ
+    src, out = ROOT / "weights" / "nano", tmp_path_factory.mktemp("looper")
+    model = load_model(src)
+    init_weights(model.encoder, model.decoder, seed=0)
+    save_model(model, out)
+    shutil.copy(src / "tokenizer_config.json", out / "tokenizer_config.json")
+    fsq, meta = FSQ.load(src / "quantizer.safetensors")
+    geometry = set(fsq.geometry())
+    fsq.save(out / "quantizer.safetensors", {**{k: v for k, v in meta.items() if k not in geometry},
+                                            "base_fingerprint": base_fingerprint(load_model(out))})
+    return out
+
+
+# ----------------------------------------------------------------------------- data
+@pytest.fixture(scope="module")
+def test_pages():
+    stream = PageStream(split_documents(load_corpus())["test"], PageSpec(augment=False), seed=2)
+    return [stream[i] for i in range(16)]
+
+
+def png_bytes(image: Image.Image, fmt: str = "PNG", **kw) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def encode(client, image: Image.Image) -> dict:
+    r = client.post("/encode", json={"image": b64(png_bytes(image))})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def decode(client, codes, max_tokens: int, **kw) -> dict:
+    r = client.post("/decode", json={"codes": list(map(int, codes)), "max_tokens": max_tokens, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def assert_error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error"} and isinstance(body["error"]["type"], str), body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"], body
+    return body["error"]
+
+
+def metric(client, name: str, **labels) -> float:
+    """Sum of the samples of `name` (exact) whose labels include `labels`."""
+    total = 0.0
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        head, _, value = line.rpartition(" ")
+        if head.split("{")[0] == name and all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+# ----------------------------------------------------------------------------- health and startup
+def test_health_reports_loading_then_ok(server, client):
+    first_status, first_body, first_headers = server.health_history[0]
+    assert first_status == 503 and first_body == {"status": "loading"}, server.health_history[:3]
+    assert int(first_headers["retry-after"]) >= 1
+    assert server.startup_s < 30, f"healthy after {server.startup_s:.1f}s"
+    r = client.get("/health")
+    assert r.status_code == 200
+    assert r.json() == {"status": "ok", "model": "nano", "revision": r.json()["revision"], "codes_per_image": 4096,
+                        "bits_per_code": 4, "device": "cpu"}
+    assert isinstance(r.json()["revision"], str) and r.json()["revision"]
+
+
+def test_openapi_and_metrics(client):
+    spec = client.get("/openapi.json").json()
+    assert {"/health", "/encode", "/decode", "/metrics"} <= set(spec["paths"])
+    body = spec["paths"]["/decode"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert {"codes", "codes_b64", "prompt", "max_tokens"} <= set(body["properties"])
+    text = client.get("/metrics").text
+    for name in ("ocr_latent_requests_total", "ocr_latent_request_seconds", "ocr_latent_encode_batch_size",
+                 "ocr_latent_decode_batch_size", "ocr_latent_queue_depth", "ocr_latent_decode_tokens_total",
+                 "ocr_latent_decode_tokens_per_second"):
+        assert name in text
+
+
+# ----------------------------------------------------------------------------- encode / decode
+def test_round_trip(client, test_pages):
+    page = test_pages[0]
+    data = png_bytes(page.image)
+    enc = encode(client, page.image)
+    codes = enc["codes"]
+    assert enc["num_codes"] == 4096 and enc["bits_per_code"] == 4
+    assert len(codes) == NUM_CODES and all(isinstance(c, int) and 0 <= c <= 15 for c in codes)
+    packed = base64.b64decode(enc["codes_b64"])
+    assert len(packed) == 2048 and unpack(packed).tolist() == codes
+    # the same image through every accepted transport gives the same codes
+    assert client.post("/encode", json={"image": "data:image/png;base64," + b64(data)}).json()["codes"] == codes
+    assert client.post("/encode", files={"image": ("page.png", data, "image/png")}).json()["codes"] == codes
+    assert client.post("/encode", content=data, headers={"content-type": "image/png"}).json()["codes"] == codes
+    wrapped = base64.encodebytes(data).decode()  # `base64` CLI style: newline every 76 chars
+    assert client.post("/encode", json={"image": wrapped}).json()["codes"] == codes
+
+    by_codes = decode(client, codes, 400)
+    by_b64 = client.post("/decode", json={"codes_b64": enc["codes_b64"], "max_tokens": 400}).json()
+    assert by_codes == by_b64
+    assert isinstance(by_codes["text"], str) and by_codes["text"].strip()
+    assert by_codes["finish_reason"] in ("stop", "length", "repetition")
+    assert 1 <= by_codes["num_tokens"] <= 400
+    # prompt "free" is the default
+    assert client.post("/decode", json={"codes": codes, "prompt": "free", "max_tokens": 400}).json() == by_codes
+
+
+def test_image_formats_and_modes(client, test_pages):
+    image = test_pages[1].image
+    codes = encode(client, image)["codes"]
+    for fmt, kw in (("BMP", {}), ("TIFF", {}), ("WEBP", {"lossless": True})):
+        r = client.post("/encode", files={"image": ("page", png_bytes(image, fmt, **kw))})  # ~790 KB
+        assert r.status_code == 200 and r.json()["codes"] == codes, (fmt, r.text[:200])
+    r = client.post("/encode", json={"image": b64(png_bytes(image, "JPEG", quality=90))})
+    assert r.status_code == 200 and len(r.json()["codes"]) == NUM_CODES
+    # EXIF orientation is honoured: a rotated file tagged "rotate 90 CW to view" encodes like the upright page
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    tagged = png_bytes(image.transpose(Image.Transpose.ROTATE_90), "PNG", exif=exif)
+    assert client.post("/encode", json={"image": b64(tagged)}).json()["codes"] == codes
+    # any mode is converted to RGB: a grey page equals its RGB copy
+    grey = image.convert("L")
+    assert encode(client, grey)["codes"] == encode(client, grey.convert("RGB"))["codes"]
+    rgba = image.convert("RGBA")
+    assert client.post("/encode", json={"image": b64(png_bytes(rgba))}).status_code == 200
+
+
+def test_max_tokens_length(client, test_pages):
+    codes = encode(client, test_pages[2].image)["codes"]
+    for n in (1, 5):  # every page has >= 3 lines of text: no model is done after 5 characters
+        out = decode(client, codes, n)
+        assert out["finish_reason"] == "length" and out["num_tokens"] == n, out
+    out = decode(client, codes, 2000)
+    assert out["num_tokens"] < 2000 or out["finish_reason"] == "length"
+    if out["finish_reason"] == "stop" and out["num_tokens"] >= 1:  # num_tokens does not count the EOS
+        cut = decode(client, codes, out["num_tokens"])
+        assert cut["text"] == out["text"] and cut["finish_reason"] == "length"
+
+
+def test_16_concurrent_clients_get_their_own_results(client, test_pages):
+    images = [p.image for p in test_pages]
+    alone_codes = [encode(client, im)["codes"] for im in images]
+    budgets = [8 + 2 * i for i in range(16)]  # different lengths: sequences join and leave at different steps
+    alone_text = [decode(client, c, n) for c, n in zip(alone_codes, budgets)]
+    before = metric(client, "ocr_latent_decode_batch_size_count")
+    for _ in range(2):
+        with ThreadPoolExecutor(16) as pool:
+            together_codes = list(pool.map(lambda im: encode(client, im)["codes"], images))
+        assert together_codes == alone_codes
+        with ThreadPoolExecutor(16) as pool:
+            together_text = list(pool.map(lambda a: decode(client, *a), zip(alone_codes, budgets)))
+        assert together_text == alone_text
+    # the concurrent decodes really shared steps: far fewer steps than tokens
+    steps = metric(client, "ocr_latent_decode_batch_size_count") - before
+    assert steps < sum(budgets), steps
+    assert metric(client, "ocr_latent_encode_batch_size_sum") > metric(client, "ocr_latent_encode_batch_size_count")
+    assert client.get("/health").status_code == 200
+
+
+# ----------------------------------------------------------------------------- bad input
+def _codes_b64(n_bytes: int) -> str:
+    return b64(bytes(n_bytes))
+
+
+BAD_REQUESTS = [
+    # (name, endpoint, kwargs for httpx, status)
+    ("malformed json", "/decode", {"content": b'{"codes": [1, 2', "headers": {"content-type": "application/json"}}, 400),
+    ("malformed json encode", "/encode", {"content": b"{image", "headers": {"content-type": "application/json"}}, 400),
+    ("empty body", "/decode", {"content": b"", "headers": {"content-type": "application/json"}}, 400),
+    ("bad base64 image", "/encode", {"json": {"image": "not base64 !!!"}}, 400),
+    ("bad base64 codes", "/decode", {"json": {"codes_b64": "%%%%"}}, 400),
+    ("data url not base64", "/encode", {"json": {"image": "data:image/png,abc"}}, 400),
+    ("not an image", "/encode", {"json": {"image": b64(b"hello, I am not an image" * 10)}}, 415),
+    ("not an image multipart", "/encode", {"files": {"image": ("x.png", b"GIF89a nope", "image/png")}}, 415),
+    ("too large body", "/encode", {"json": {"image": "A" * (BODY_LIMIT + 10)}}, 413),
+    ("wrong code count", "/decode", {"json": {"codes": [0] * 4095}}, 422),
+    ("wrong code count b64", "/decode", {"json": {"codes_b64": _codes_b64(2047)}}, 422),
+    ("code out of range", "/decode", {"json": {"codes": [0] * 4095 + [16]}}, 422),
+    ("negative code", "/decode", {"json": {"codes": [-1] + [0] * 4095}}, 422),
+    ("non-int code", "/decode", {"json": {"codes": ["a"] + [0] * 4095}}, 422),
+    ("bad prompt", "/decode", {"json": {"codes": [0] * 4096, "prompt": "poem"}}, 422),
+    ("max_tokens 0", "/decode", {"json": {"codes": [0] * 4096, "max_tokens": 0}}, 422),
+    ("max_tokens 8193", "/decode", {"json": {"codes": [0] * 4096, "max_tokens": 8193}}, 422),
+    ("both codes and b64", "/decode", {"json": {"codes": [0] * 4096, "codes_b64": _codes_b64(2048)}}, 422),
+    ("neither codes nor b64", "/decode", {"json": {"max_tokens": 5}}, 422),
+    ("json array", "/decode", {"json": [1, 2, 3]}, 422),
+    ("no image field", "/encode", {"json": {"picture": "abc"}}, 422),
+    ("unknown field", "/decode", {"json": {"codes": [0] * 4096, "max_token": 5}}, 422),
+]
+
+
+@pytest.mark.parametrize("name,endpoint,kwargs,status", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_input(client, name, endpoint, kwargs, status):
+    assert_error(client.post(endpoint, **kwargs), status)
+
+
+def test_image_limits(client, test_pages):
+    big = Image.new("RGB", (1100, 1000), "white")  # 1.1 MP, a tiny file: the header is enough to refuse it
+    err = assert_error(client.post("/encode", json={"image": b64(png_bytes(big))}), 413)
+    assert "MAX_IMAGE_PIXELS" in err["message"]
+    bomb = Image.new("1", (1600, 1600))  # > 2x the limit: Pillow's DecompressionBombError itself
+    assert_error(client.post("/encode", files={"image": ("bomb.png", png_bytes(bomb), "image/png")}), 413)
+    truncated = png_bytes(test_pages[0].image)[:200]
+    assert_error(client.post("/encode", json={"image": b64(truncated)}), 415)
+    # a body past MAX_BODY_BYTES without Content-Length (chunked) is cut off too
+    chunks = (b"x" * 65536 for _ in range(BODY_LIMIT // 65536 + 2))
+    assert_error(client.post("/encode", content=chunks, headers={"content-type": "image/png"}), 413)
+
+
+def test_markdown_prompt_only_when_spellable(client, test_pages):
+    codes = encode(client, test_pages[0].image)["codes"]
+    r = client.post("/decode", json={"codes": codes, "prompt": "markdown", "max_tokens": 3})
+    assert r.status_code in (200, 422), r.text  # nano's character tokenizer cannot spell <|grounding|>
+    if r.status_code == 422:
+        assert "markdown" in r.json()["error"]["message"]
+
+
+def test_errors_leave_the_server_healthy(client, test_pages):
+    for name, endpoint, kwargs, status in BAD_REQUESTS:
+        client.post(endpoint, **kwargs)
+    assert client.get("/health").status_code == 200
+    assert encode(client, test_pages[3].image)["num_codes"] == 4096
+    text = client.get("/metrics").text
+    fives = [l for l in text.splitlines() if l.startswith("ocr_latent_requests_total") and 'status="5' in l
+             and 'endpoint="/health"' not in l]  # /health answered 503 while loading
+    assert not fives, fives
+    assert client.get("/nope").json()["error"]["type"] == "not_found"
+    assert client.get("/decode").json()["error"]["type"] == "method_not_allowed"
+
+
+# ----------------------------------------------------------------------------- a model that loops
+def looper_server(tmp_path_factory, model: Path, name: str, **env) -> Server:
+    srv = Server(tmp_path_factory.mktemp(name), name, MODEL_DIR=model, QUANTIZER=model / "quantizer.safetensors",
+                 **env)
+    try:
+        srv.wait_healthy(30)
+    except BaseException:
+        srv.stop()
+        raise
+    return srv
+
+
+def test_repetition_finish(tmp_path_factory, looping_model):
+    """Greedy decoding of the random-weight model gets stuck (the no-repeat-n-gram ban only bends the
+    loop): the loop detector must end it with finish_reason "repetition", long before max_tokens.
+    (The trained nano ends even constant or random codes with EOS after ~100 tokens, so it cannot
+    be made to loop on demand; this model loops on every input.)"""
+    srv = looper_server(tmp_path_factory, looping_model, "looper")
+    try:
+        with httpx.Client(base_url=srv.url, timeout=120) as c:
+            with ThreadPoolExecutor(3) as pool:
+                outs = list(pool.map(lambda v: decode(c, [v] * NUM_CODES, 8192), (0, 9, 12)))
+            for out in outs:
+                assert out["finish_reason"] == "repetition", out
+                assert 0 < out["num_tokens"] < 8192
+            assert metric(c, "ocr_latent_decode_finished_total", reason="repetition") == 3
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def slow(tmp_path_factory, looping_model):
+    """The looping model made slow (20 ms per decode step, so no decode ends within 4.8 s: the loop
+    detector needs >= 240 tokens), with 2 slots, a queue of 1 and a 3 s deadline."""
+    srv = looper_server(tmp_path_factory, looping_model, "slow", OCR_LATENT_TEST_STEP_DELAY_S=0.02,
+                        DECODE_SLOTS=2, MAX_QUEUE=1, RETRY_AFTER_S=2, REQUEST_TIMEOUT_S=3)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            yield c
+    finally:
+        srv.stop()
+
+
+def _hold(url: str, body: dict, seconds: float, results: list) -> None:
+    """Send a decode and hang up after `seconds` (a client that disconnects)."""
+    try:
+        with httpx.Client(timeout=seconds) as c:
+            results.append(c.post(url + "/decode", json=body).status_code)
+    except httpx.TimeoutException:
+        results.append("hung up")
+
+
+def wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_full_queue_gives_503_and_hang_ups_free_the_slots(slow):
+    url = str(slow.base_url).rstrip("/")
+    body = {"codes": [8] * NUM_CODES, "max_tokens": 8192}
+    results: list = []
+    # hang up after 2.5 s: before the 3 s deadline, long before the loop detector could end them (4.8 s)
+    holders = [threading.Thread(target=_hold, args=(url, body, 2.5, results)) for _ in range(3)]
+    for t in holders:  # two take the slots, the third waits in the queue (MAX_QUEUE=1)
+        t.start()
+    assert wait_for(lambda: metric(slow, "ocr_latent_active_sequences") == 2 and
+                    metric(slow, "ocr_latent_queue_depth", kind="decode") == 1, 2.0)
+    r = slow.post("/decode", json={"codes": [1] * NUM_CODES, "max_tokens": 4})
+    err = assert_error(r, 503)
+    assert r.headers["retry-after"] == "2" and err["type"] == "overloaded"
+    # encodes do not wait behind decodes: they run between decode steps
+    r = slow.post("/encode", json={"image": b64(png_bytes(Image.new("RGB", (64, 64), "white")))})
+    assert r.status_code == 200 and len(r.json()["codes"]) == NUM_CODES
+    assert slow.get("/health").status_code == 200  # never blocks behind queued work
+    for t in holders:
+        t.join()
+    assert results == ["hung up"] * 3, results
+    # the server noticed the hang-ups: slots and queue are empty again and new work is served
+    assert wait_for(lambda: metric(slow, "ocr_latent_active_sequences") == 0, 3)
+    assert metric(slow, "ocr_latent_queue_depth") == 0
+    assert metric(slow, "ocr_latent_dropped_total", reason="cancelled") >= 2
+    out = decode(slow, [1] * NUM_CODES, 4)
+    assert out["finish_reason"] == "length" and out["num_tokens"] == 4
+
+
+def test_flood_of_concurrent_decodes(slow):
+    """8 at once into 2 slots + 1 queue place: the rest get 503 + Retry-After at once, never a 5xx."""
+    def one(_):
+        r = slow.post("/decode", json={"codes": [3] * NUM_CODES, "max_tokens": 20})
+        return r.status_code, r.headers.get("retry-after"), r.json()
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(one, range(8)))
+    codes = sorted(a[0] for a in answers)
+    assert set(codes) <= {200, 503} and codes.count(200) >= 3 and 503 in codes, answers
+    assert all(a[1] == "2" for a in answers if a[0] == 503)
+    assert len({json.dumps(a[2]) for a in answers if a[0] == 200}) == 1  # same codes, same text
+
+
+def test_deadline_gives_504(slow):
+    t0 = time.monotonic()
+    err = assert_error(slow.post("/decode", json={"codes": [8] * NUM_CODES, "max_tokens": 8192}), 504)
+    assert err["type"] == "timeout" and "REQUEST_TIMEOUT_S" in err["message"]
+    assert 2.9 < time.monotonic() - t0 < 6
+    assert wait_for(lambda: metric(slow, "ocr_latent_active_sequences") == 0, 3)
+    assert slow.get("/health").status_code == 200
+
+
+# ----------------------------------------------------------------------------- startup failure
+def test_missing_quantizer_is_a_clear_startup_error(tmp_path):
+    """serve.sh with a quantizer that does not exist: non-zero exit, the reason and the fix on stderr,
+    and /health never said ok."""
+    port = free_port()
+    env = {**os.environ, "PORT": str(port), "HOST": "127.0.0.1", "TORCH_THREADS": "1",
+           "QUANTIZER": str(tmp_path / "missing.safetensors")}
+    proc = subprocess.Popen(["bash", str(ROOT / "serve.sh")], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    seen = []
+    deadline = time.monotonic() + 60
+    with httpx.Client(timeout=1) as c:
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                seen.append(c.get(f"http://127.0.0.1:{port}/health").status_code)
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+    if proc.poll() is None:
+        proc.kill()
+    out = proc.communicate()[0]
+    assert proc.returncode not in (0, None), out
+    assert "missing.safetensors" in out and "QUANTIZER" in out and "train.py quantizer" in out, out
+    assert 200 not in seen
+
+
+def test_mismatched_quantizer_is_a_clear_startup_error(tmp_path, looping_model):
+    """The nano quantizer with the random-weight base: refused by fingerprint, non-zero exit."""
+    port = free_port()
+    env = {**os.environ, "PORT": str(port), "HOST": "127.0.0.1", "TORCH_THREADS": "1",
+           "MODEL_DIR": str(looping_model), "QUANTIZER": str(ROOT / "weights/nano/quantizer.safetensors")}
+    proc = subprocess.run([sys.executable, "server.py"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode != 0
+    assert "fingerprint" in proc.stderr and "train.py quantizer" in proc.stderr, proc.stderr[-2000:]
