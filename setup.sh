@@ -12,6 +12,6 @@ project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 print("\n".join(project["dependencies"] + project["optional-dependencies"]["test"]))
 PY
 echo "setup: installing pinned dependencies into .venv (first run only)" >&2
-.venv/bin/python -m pip install --disable-pip-version-check -q -r .venv/requirements.txt
+.venv/bin/python -m pip install --disable-pip-version-check --no-compile -q -r .venv/requirements.txt
 rm -f .venv/.deps-*
 touch "$stamp"
