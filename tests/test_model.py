@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import parity
 from checkpoint import CheckpointError, OCRModel, SpecialTokens, build_modules, checkpoint_state, load_model, save_model
-from conftest import needs_shared, small_config
+from conftest import ROOT, needs_shared, small_config
 from decoder import Generator, RepetitionRule
 from encoder import MODES, make_view, view_to_tensor
 from quantizer import FSQ, pack, unpack
@@ -272,3 +272,18 @@ def test_fsq_gradients_reach_the_projections_and_pca_start_fits():
         l.backward()
         opt.step()
     assert loss().item() < pca_start
+
+
+def test_pinned_weights_are_verified_by_size_then_sha256(tmp_path):
+    from checkpoint import file_sha256, verify_pin
+    weights = tmp_path / "model-00001-of-000001.safetensors"
+    weights.write_bytes(b"not the real checkpoint")
+    pin = json.loads((ROOT / "architecture.json").read_text())["base_model"]["pin"]
+    assert pin["size"] == 6672547120 and pin["sha256"].startswith("1169e7cd")
+    with pytest.raises(CheckpointError, match="size 23 != pinned 6672547120"):
+        verify_pin(tmp_path, pin)
+    with pytest.raises(CheckpointError, match="sha256 .* != pinned"):
+        verify_pin(tmp_path, {**pin, "size": 23})
+    verify_pin(tmp_path, {**pin, "size": 23, "sha256": file_sha256(weights)})
+    with pytest.raises(CheckpointError, match="not found"):
+        verify_pin(tmp_path / "elsewhere", pin)
