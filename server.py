@@ -83,7 +83,7 @@ class Settings:
     model_dir: str | None = None  # MODEL_DIR: original-layout DeepSeek-OCR dir; unset = embedded nano
     quantizer: str | None = None  # QUANTIZER: quantizer .safetensors; unset = the base's default
     device: str = "cpu"  # DEVICE
-    dtype: str = "float32"  # DTYPE: float32 | bf16 | fp16
+    dtype: str = "float32"  # DTYPE: float32 | bf16 | fp16 (default bf16 when DEVICE is not cpu)
     torch_threads: int | None = None  # TORCH_THREADS
     encode_batch_window_ms: float = 5.0  # ENCODE_BATCH_WINDOW_MS
     encode_max_batch: int = 8  # ENCODE_MAX_BATCH
@@ -100,7 +100,8 @@ class Settings:
 
     @classmethod
     def from_env(cls) -> "Settings":
-        dtype = _env("DTYPE", "float32").lower()
+        # bf16 on accelerators: DeepSeek-OCR's own serving dtype, and the MoE's grouped-GEMM path
+        dtype = _env("DTYPE", "float32" if _env("DEVICE", "cpu") == "cpu" else "bf16").lower()
         if dtype not in ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16"):
             raise SystemExit(f"DTYPE={dtype!r}: use float32, bf16 or fp16")
         return cls(

@@ -201,6 +201,15 @@ def test_a_decoder_stuck_on_one_token_ends_with_repetition(small_modules):
     assert seq.finish_reason == "stop" and seq.tokens == [0]
 
 
+def test_grouped_expert_gemm_equals_a_gemm_per_expert():
+    from decoder import grouped_mm, per_group_mm
+    x, w = torch.randn(40, 16), torch.randn(5, 24, 16)
+    offsets = torch.tensor([6, 6, 20, 33, 40], dtype=torch.int32)  # expert 1 gets no token
+    ref = torch.cat([x[0:6] @ w[0].T, x[6:20] @ w[2].T, x[20:33] @ w[3].T, x[33:40] @ w[4].T])
+    assert (grouped_mm(x, w, offsets) - ref).abs().max() < 1e-5
+    assert (per_group_mm(x, w, offsets) - ref).abs().max() < 1e-5
+
+
 # ----------------------------------------------------------------------------- repetition rules
 def test_no_repeat_ngram_bans_the_token_that_would_repeat_an_ngram_in_the_window():
     rule = RepetitionRule(ngram=3, window=8, exempt=frozenset({9}))
