@@ -114,13 +114,20 @@ def pixels_of(pages, mode: str) -> torch.Tensor:
     return torch.stack([view_to_tensor(make_view(p.image, mode)) for p in pages])
 
 
-def teacher_forced_loss(model: OCRModel, image_embeds: list[torch.Tensor], texts: list[str]) -> torch.Tensor:
-    """Mean cross-entropy of the page text (and EOS) given BOS + image + prompt, as the decoder reads it."""
+def teacher_forced_loss(model: OCRModel, image_embeds: list[torch.Tensor], texts: list[str],
+                        token_dropout: float = 0.0) -> torch.Tensor:
+    """Mean cross-entropy of the page text (and EOS) given BOS + image + prompt, as the decoder reads it.
+    token_dropout replaces that share of the *input* text tokens by the pad token: a decoder that
+    cannot lean on its own language model has to read the image (against posterior collapse)."""
     prompt = model.prompt_ids(model.config["ocr_latent"]["prompt"])
     inputs, targets = [], []
     for emb, text in zip(image_embeds, texts):
         ids = model.tokenizer.encode(text, add_special_tokens=False).ids + [model.tokens.eos]
-        x = model.decoder.build_inputs(emb, prompt + ids[:-1], model.tokens.bos)
+        given = ids[:-1]
+        if token_dropout:
+            keep = torch.rand(len(given)) >= token_dropout
+            given = [t if k else model.tokens.pad for t, k in zip(given, keep.tolist())]
+        x = model.decoder.build_inputs(emb, prompt + given, model.tokens.bos)
         inputs.append(x)
         # position p predicts token p+1; only the text positions are scored
         targets.append(torch.tensor([-100] * (x.shape[0] - len(ids)) + ids))
@@ -181,8 +188,8 @@ def train_base(args) -> None:
         aux_head.load_state_dict({"weight": state["aux.weight"], "bias": state["aux.bias"]})
     params = [*model.encoder.parameters(), *model.decoder.parameters(), *aux_head.parameters()]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
-    if "opt.0.exp_avg" in state:
-        for i, p in enumerate(params):
+    for i, p in enumerate(params):  # parameters that never got a gradient (CLIP's unused patch conv) have none
+        if f"opt.{i}.step" in state:
             opt.state[p] = {"step": state[f"opt.{i}.step"], "exp_avg": state[f"opt.{i}.exp_avg"],
                             "exp_avg_sq": state[f"opt.{i}.exp_avg_sq"]}
     mode, grid = model.config["ocr_latent"]["mode"], model.encoder.cfg.sam_image_size // 64
@@ -201,7 +208,8 @@ def train_base(args) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             feats = model.encoder(pixels_of(pages, mode))
             aux_logits = aux_head(feats)
-            text = teacher_forced_loss(model, [model.decoder.layout_image(f) for f in feats], [p.text for p in pages])
+            text = teacher_forced_loss(model, [model.decoder.layout_image(f) for f in feats], [p.text for p in pages],
+                                       args.token_dropout)
         aux_target = torch.from_numpy(np.stack([char_targets(p, grid) for p in pages]))
         aux = F.binary_cross_entropy_with_logits(aux_logits.float(), aux_target)
         loss = text + args.aux_weight * aux
@@ -384,6 +392,7 @@ def main(argv=None) -> None:
     b.add_argument("--warmup", type=int, default=100)
     b.add_argument("--decay-from", type=int, default=0, help="cosine decay after this step (0: constant)")
     b.add_argument("--aux-weight", type=float, default=1.0)
+    b.add_argument("--token-dropout", type=float, default=0.0, help="share of input text tokens replaced by pad")
     b.add_argument("--curriculum", type=int, default=300, help="steps per curriculum stage")
     b.add_argument("--eval-every", type=int, default=200)
     b.add_argument("--val-pages", type=int, default=32)
