@@ -296,3 +296,38 @@ def test_pinned_weights_are_verified_by_size_then_sha256(tmp_path):
     verify_pin(tmp_path, {**pin, "size": 23, "sha256": file_sha256(weights)})
     with pytest.raises(CheckpointError, match="not found"):
         verify_pin(tmp_path / "elsewhere", pin)
+
+
+def test_parity_tool_takes_other_sizes_top_k_and_the_large_mode(tmp_path, small_modules, capsys):
+    """parity.py on a checkpoint of another shape (top-3 of 8 experts, toy widths) in large and tiny
+    mode, against a reference written by this code: passes, then fails once one weight moves."""
+    model = _small_model(small_modules)
+    save_model(model, tmp_path)
+    page = _two_tone(300, 420)
+    page.save(tmp_path / "page.png")
+    prompt, ref = [5, 6, 7], {}
+    with torch.inference_mode():
+        for mode in ("large", "tiny"):
+            view = make_view(page, mode)
+            sam, clip, feats = model.encoder.towers(view_to_tensor(view)[None])
+            embeds = model.decoder.layout_image(feats[0])
+            n = embeds.shape[0]
+            inputs = model.decoder.build_inputs(embeds, prompt, 0)
+            greedy = Generator(model.decoder, 1, eos_id=-1, rule=None).generate([inputs], [8])[0].tokens
+            ref.update({f"{mode}.view": torch.from_numpy(np.asarray(view).copy()), f"{mode}.sam": sam, f"{mode}.clip": clip,
+                        f"{mode}.features": feats[0], f"{mode}.image_embeds": embeds,
+                        f"{mode}.input_ids": torch.tensor([0] + [299] * n + prompt),
+                        f"{mode}.image_mask": torch.tensor([0] + [1] * n + [0] * len(prompt), dtype=torch.uint8),
+                        f"{mode}.logits_last4": model.decoder(inputs[None])[0, -4:], f"{mode}.greedy_ids": torch.tensor(greedy)})
+    assert ref["large.image_embeds"].shape[0] == 421 and ref["tiny.image_embeds"].shape[0] == 73
+    save_file({k: v.contiguous() for k, v in ref.items()}, str(tmp_path / "ref.safetensors"))
+    (tmp_path / "ref.json").write_text(json.dumps({"modes": ["large", "tiny"], "prompt_ids": prompt, "greedy_tokens": 8}))
+    assert parity.main([str(tmp_path), str(tmp_path / "ref.safetensors")]) == 0
+    shard = tmp_path / "model-00001-of-000001.safetensors"
+    state = load_file(str(shard))
+    state["model.sam_model.blocks.1.attn.rel_pos_h"] *= 3  # a global block's relative positions
+    save_file(state, str(shard))
+    capsys.readouterr()
+    assert parity.main([str(tmp_path), str(tmp_path / "ref.safetensors")]) == 1
+    failed = [line.split()[:2] for line in capsys.readouterr().out.splitlines() if line.endswith("FAIL")]
+    assert ["large", "sam"] in failed and ["tiny", "sam"] in failed and ["large", "view"] not in failed
