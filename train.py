@@ -35,7 +35,10 @@ FREE_PROMPT = "<image>\nFree OCR."
 
 # ----------------------------------------------------------------------------- nano definition
 def nano_config(vocab_size: int) -> dict:
-    """A DeepSeek-OCR config.json (original layout) at nano sizes. Tiny mode: 512 px -> 8x8 tokens."""
+    """A DeepSeek-OCR config.json (original layout) at nano sizes. Base mode: the 512 px page is
+    letterboxed (here: scaled) to 1024 -> 16x16 tokens, each seeing 32x32 page pixels (about two
+    characters of one line), the real model's 4096-code geometry (256 tokens x 16 dims). SAM uses
+    windowed attention only: global attention over 64x64 patches is too slow to train on a CPU."""
     language = {
         "bos_token_id": 0, "eos_token_id": 1, "first_k_dense_replace": 1, "hidden_size": 256,
         "intermediate_size": 512, "kv_lora_rank": None, "lm_head": True, "max_position_embeddings": 8192,
@@ -45,15 +48,15 @@ def nano_config(vocab_size: int) -> dict:
         "topk_method": "greedy", "use_mla": False, "v_head_dim": 0, "vocab_size": vocab_size}
     return {
         "_name_or_path": "ocr-latent/nano", "architectures": ["DeepseekOCRForCausalLM"],
-        "candidate_resolutions": [[512, 512]], "global_view_pos": "head", "model_type": "deepseek_vl_v2",
+        "candidate_resolutions": [[1024, 1024]], "global_view_pos": "head", "model_type": "deepseek_vl_v2",
         "language_config": {**language, "architectures": ["DeepseekV2ForCausalLM"], "torch_dtype": "float32"},
         "projector_config": {"input_dim": 512, "model_type": "mlp_projector", "n_embed": 256, "projector_type": "linear"},
         "tile_tag": "2D", "torch_dtype": "float32",
-        "vision_config": {"image_size": 512, "model_name": "deeplip_b_l", "model_type": "vision", "width": {
-            "clip-l-14-224": {"heads": 4, "image_size": 112, "layers": 2, "patch_size": 14, "width": 256},
-            "sam_vit_b": {"downsample_channels": [128, 256], "global_attn_indexes": [1], "heads": 2,
-                          "layers": 2, "width": 64, "neck_channels": 64}}},
-        "ocr_latent": {"mode": "tiny", "prompt": FREE_PROMPT}, **language}
+        "vision_config": {"image_size": 1024, "model_name": "deeplip_b_l", "model_type": "vision", "width": {
+            "clip-l-14-224": {"heads": 4, "image_size": 224, "layers": 2, "patch_size": 14, "width": 256},
+            "sam_vit_b": {"downsample_channels": [128, 256], "global_attn_indexes": [], "heads": 2,
+                          "layers": 2, "width": 64, "neck_channels": 32}}},
+        "ocr_latent": {"mode": "base", "prompt": FREE_PROMPT}, **language}
 
 
 def char_tokenizer():
@@ -163,6 +166,21 @@ def evaluate(model: OCRModel, pages, mode: str, batch: int = 16, quantizer=None)
 
 
 # ----------------------------------------------------------------------------- base training
+@torch.no_grad()
+def calibrate_projector(model: OCRModel, pages, mode: str) -> float:
+    """Centre the projector's output and scale it to unit norm per token, like the token embeddings.
+    Untrained towers give image embeddings hundreds of times larger than token embeddings, with a
+    large component common to all tokens; the decoder then sees near-identical image tokens, learns a
+    language model instead of reading, and does not recover (seen in the first nano run)."""
+    feats = model.encoder(pixels_of(pages, mode)).reshape(-1, model.decoder.cfg.hidden_size)
+    mean = feats.mean(0)
+    scale = (feats - mean).norm(dim=-1).mean()
+    layer = model.encoder.projector.layers
+    layer.weight.div_(scale)
+    layer.bias.sub_(mean).div_(scale)
+    return float(scale)
+
+
 def curriculum(step: int, every: int) -> PageSpec:
     """Few lines first, then the target task (3-6 lines) from step 3*every on."""
     top = min(6, 3 + step // every) if step >= every else 3
@@ -181,6 +199,9 @@ def train_base(args) -> None:
         print(f"resuming {out} at step {meta['step']}")
     else:
         model, state, meta = new_nano(args.seed), {}, {"step": 0, "curve": []}
+        calib = PageStream(docs["train"], PageSpec(), seed=args.seed + 1)
+        scale = calibrate_projector(model, [calib[i] for i in range(32)], model.config["ocr_latent"]["mode"])
+        meta["projector_calibration"] = f"output centred and divided by {scale:.2f}"
     model.encoder.train(), model.decoder.train()
     D = model.decoder.cfg.hidden_size
     aux_head = torch.nn.Linear(D, len(CHARSET))

@@ -39,7 +39,7 @@ def test_a_few_quantizer_steps_lower_the_loss_and_write_a_loadable_quantizer(tmp
     fsq, _ = load_quantizer(out, load_model(NANO))  # fingerprint matches the base it was trained on
     assert fsq.num_codes == 4096
     sidecar = json.loads(out.with_suffix(".json").read_text())
-    assert sidecar["manifest_sha256"] and sidecar["levels"] == [16] * 64
+    assert sidecar["manifest_sha256"] and sidecar["levels"] == [16] * (4096 // sidecar["tokens"])
 
 
 def test_a_quantizer_for_another_base_is_refused_with_the_fix(tmp_path):
