@@ -82,6 +82,8 @@ class KVCache(nn.Module):
     def update(self, layer: int, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v [n,h,T,d] at (slots[n], positions[n,T]); return this layer's whole cache."""
         n, h, T, d = k.shape
+        if isinstance(slots, slice):
+            slots = torch.arange(slots.start, slots.stop, device=k.device)
         rows = slots[:, None].expand(n, T)
         self.k[layer][rows, :, positions] = k.transpose(1, 2)
         self.v[layer][rows, :, positions] = v.transpose(1, 2)
@@ -104,7 +106,7 @@ class Attention(nn.Module):
             ck, cv = cache.update(layer, slots, positions, k, v)
         if decode_mask is None:  # prefill / full forward: causal over this call's tokens
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:  # one new token per slot against that slot's cached prefix
+        else:  # one new token per slot against that slot's cached prefix (a slice of slots reads a view)
             L = decode_mask.shape[-1]
             out = F.scaled_dot_product_attention(q, ck[slots, :, :L], cv[slots, :, :L], attn_mask=decode_mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, H))
@@ -240,8 +242,10 @@ class Decoder(nn.Module):
         h = self.hidden(embeds, positions, cache, torch.tensor(slots, device=embeds.device))
         return self.lm_head(h[torch.arange(len(inputs)), lengths - 1]).float()
 
-    def decode_step(self, cache: KVCache, slots: Tensor, positions: Tensor, tokens: Tensor) -> Tensor:
-        """One token per slot at its own position: tokens/positions/slots [n] -> logits [n, V]."""
+    def decode_step(self, cache: KVCache, slots: Tensor | slice, positions: Tensor, tokens: Tensor) -> Tensor:
+        """One token per slot at its own position: tokens/positions/slots [n] -> logits [n, V].
+        `slots` may be a slice (a contiguous run of slots): attention then reads the cache in place
+        instead of gathering a copy of every running sequence's keys and values in every layer."""
         L = int(positions.max()) + 1
         cache.reserve(L)
         mask = (torch.arange(L, device=tokens.device)[None, :] <= positions[:, None])[:, None, None, :]
@@ -303,7 +307,7 @@ class Generator:
     def __init__(self, decoder: Decoder, slots: int, eos_id: int, rule: RepetitionRule | None):
         self.decoder, self.eos_id, self.rule = decoder, eos_id, rule
         self.cache = decoder.new_cache(slots)
-        self.free = list(range(slots))[::-1]
+        self.free = list(range(slots))
         self.active: dict[int, Sequence] = {}  # slot -> sequence
         self.positions: dict[int, int] = {}  # slot -> position of its next token
         self._next_id = 0
@@ -315,7 +319,9 @@ class Generator:
     @torch.inference_mode()
     def add(self, inputs: list[Tensor], max_tokens: list[int]) -> list[Sequence]:
         """Prefill new sequences; their first token is chosen at once (they may finish right away)."""
-        slots = [self.free.pop() for _ in inputs]
+        # lowest free slots first: running sequences stay a contiguous run as often as possible
+        self.free.sort()
+        slots, self.free = self.free[:len(inputs)], self.free[len(inputs):]
         logits = self.decoder.prefill(self.cache, slots, inputs)
         seqs = []
         for slot, x, limit, row in zip(slots, inputs, max_tokens, logits):
@@ -333,11 +339,13 @@ class Generator:
 
     @torch.inference_mode()
     def step(self) -> None:
-        running = [s for s in self.active.values() if s.finish_reason is None]
+        running = sorted((s for s in self.active.values() if s.finish_reason is None), key=lambda s: s.slot)
         if not running:
             return
         dev = self.cache.k.device
-        slots = torch.tensor([s.slot for s in running], device=dev)
+        lo, hi = running[0].slot, running[-1].slot + 1
+        contiguous = hi - lo == len(running)
+        slots = slice(lo, hi) if contiguous else torch.tensor([s.slot for s in running], device=dev)
         positions = torch.tensor([self.positions[s.slot] for s in running], device=dev)
         tokens = torch.tensor([s.tokens[-1] for s in running], device=dev)
         logits = self.decoder.decode_step(self.cache, slots, positions, tokens)
