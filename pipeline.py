@@ -18,7 +18,6 @@ from PIL import Image
 
 from checkpoint import CheckpointError, OCRModel, load_model, verify_pin
 from decoder import Generator, RepetitionRule
-from encoder import make_view, view_to_tensor
 from quantizer import FSQ
 
 ROOT = Path(__file__).resolve().parent
@@ -50,9 +49,7 @@ class Pipeline:
     @torch.inference_mode()
     def encode(self, images: list[Image.Image]) -> np.ndarray:
         """Pages -> codes [B, NUM_CODES] uint8; one batched forward through the towers."""
-        p = self.model.encoder.projector.layers.weight
-        pixels = torch.stack([view_to_tensor(make_view(im, self.mode)) for im in images]).to(p.device, p.dtype)
-        return self.quantizer.encode(self.model.encoder(pixels).float()).cpu().numpy()
+        return self.quantizer.encode(self.model.encoder.encode_images(images, self.mode)).cpu().numpy()
 
     @torch.inference_mode()
     def decode_inputs(self, codes: np.ndarray, prompt: str) -> torch.Tensor:

@@ -349,10 +349,8 @@ def train_quantizer(args) -> None:
     prompt = model.config.get("ocr_latent", {}).get("prompt", FREE_PROMPT)
     model.config.setdefault("ocr_latent", {"mode": mode, "prompt": prompt})
 
-    def features(images):
-        with torch.no_grad():
-            p = model.encoder.projector.layers.weight
-            return model.encoder(torch.stack([view_to_tensor(make_view(im, mode)) for im in images]).to(p.device, p.dtype)).float()
+    def features(images):  # clone: inference-mode tensors cannot be saved for the quantizer's backward
+        return model.encoder.encode_images(images, mode).clone()
 
     if args.init == "pca":
         fsq.init_from_pca(torch.cat([features(next(batches)[0]) for _ in range(args.pca_batches)]))

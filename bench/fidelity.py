@@ -57,13 +57,9 @@ def local(pipe, pages, through_codes: bool, batch: int = 16) -> list[str]:
     for i in range(0, len(pages), batch):
         images = [im for im, _ in pages[i:i + batch]]
         with torch.inference_mode():
+            feats = model.encoder.encode_images(images, pipe.mode)
             if through_codes:  # exactly what /encode then /decode compute
-                codes = pipe.encode(images)
-                feats = pipe.quantizer.decode(torch.as_tensor(codes))
-            else:
-                p = model.encoder.projector.layers.weight
-                from encoder import make_view, view_to_tensor
-                feats = model.encoder(torch.stack([view_to_tensor(make_view(im, pipe.mode)) for im in images]).to(p.device, p.dtype))
+                feats = pipe.quantizer.decode(pipe.quantizer.encode(feats))
         hyps += read_pages(model, [model.decoder.layout_image(f.to(model.decoder.lm_head.weight.dtype)) for f in feats], 512)
     return hyps
 
