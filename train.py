@@ -166,6 +166,23 @@ def evaluate(model: OCRModel, pages, mode: str, batch: int = 16, quantizer=None)
 
 
 # ----------------------------------------------------------------------------- base training
+def order_targets(page, grid: int, slots: int = 6) -> np.ndarray:
+    """[grid*grid, slots] class ids: the characters whose centre lies in each cell, in reading
+    order (the renderer lists boxes line by line, left to right); len(CHARSET) marks an empty slot.
+    Unlike char_targets it tells each vision token what it shows *in order*."""
+    index = {ch: k for k, ch in enumerate(CHARSET)}
+    out = np.full((grid * grid, slots), len(CHARSET), dtype=np.int64)
+    fill = np.zeros(grid * grid, dtype=np.int64)
+    w, h = page.image.size
+    for ch, x0, y0, x1, y1 in page.char_boxes:
+        cell = min(grid - 1, int((y0 + y1) / 2 * grid / h)) * grid + min(grid - 1, int((x0 + x1) / 2 * grid / w))
+        if ch in index and fill[cell] < slots:
+            out[cell, fill[cell]] = index[ch]
+            fill[cell] += 1
+    return out
+
+
+
 @torch.no_grad()
 def calibrate_projector(model: OCRModel, pages, mode: str) -> float:
     """Centre the projector's output and scale it to unit norm per token, like the token embeddings.
@@ -207,7 +224,12 @@ def train_base(args) -> None:
     aux_head = torch.nn.Linear(D, len(CHARSET))
     if "aux.weight" in state:
         aux_head.load_state_dict({"weight": state["aux.weight"], "bias": state["aux.bias"]})
+    order_head = torch.nn.Linear(D, args.order_slots * (len(CHARSET) + 1))
+    if "order.weight" in state:
+        order_head.load_state_dict({"weight": state["order.weight"], "bias": state["order.bias"]})
     params = [*model.encoder.parameters(), *model.decoder.parameters(), *aux_head.parameters()]
+    if args.order_weight:  # appended last: optimiser-state indices of the others stay as saved
+        params += [*order_head.parameters()]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     for i, p in enumerate(params):  # parameters that never got a gradient (CLIP's unused patch conv) have none
         if f"opt.{i}.step" in state:
@@ -229,11 +251,16 @@ def train_base(args) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             feats = model.encoder(pixels_of(pages, mode))
             aux_logits = aux_head(feats)
+            order_logits = order_head(feats) if args.order_weight else None
             text = teacher_forced_loss(model, [model.decoder.layout_image(f) for f in feats], [p.text for p in pages],
                                        args.token_dropout)
         aux_target = torch.from_numpy(np.stack([char_targets(p, grid) for p in pages]))
         aux = F.binary_cross_entropy_with_logits(aux_logits.float(), aux_target)
         loss = text + args.aux_weight * aux
+        if args.order_weight:
+            order_target = torch.from_numpy(np.stack([order_targets(p, grid, args.order_slots) for p in pages]))
+            order = F.cross_entropy(order_logits.float().reshape(-1, len(CHARSET) + 1), order_target.flatten())
+            loss = loss + args.order_weight * order
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -252,7 +279,8 @@ def train_base(args) -> None:
         if step % args.save_every == 0 or step == args.steps:
             meta.update(step=step, wall_s=meta.get("wall_s", 0) + time.time() - t0, seed=args.seed, args=vars(args))
             t0 = time.time()
-            extra = {"aux.weight": aux_head.weight, "aux.bias": aux_head.bias}
+            extra = {"aux.weight": aux_head.weight, "aux.bias": aux_head.bias,
+                     "order.weight": order_head.weight, "order.bias": order_head.bias}
             for i, p in enumerate(params):
                 s = opt.state.get(p)
                 if s:
@@ -412,6 +440,8 @@ def main(argv=None) -> None:
     b.add_argument("--decay-from", type=int, default=0, help="cosine decay after this step (0: constant)")
     b.add_argument("--aux-weight", type=float, default=1.0)
     b.add_argument("--token-dropout", type=float, default=0.0, help="share of input text tokens replaced by pad")
+    b.add_argument("--order-weight", type=float, default=0.0, help="weight of the reading-order aux loss")
+    b.add_argument("--order-slots", type=int, default=6)
     b.add_argument("--curriculum", type=int, default=300, help="steps per curriculum stage")
     b.add_argument("--eval-every", type=int, default=200)
     b.add_argument("--val-pages", type=int, default=32)
