@@ -329,7 +329,7 @@ def export_base(args) -> None:
     docs = split_documents(load_corpus())
     val = evaluate(load_model(to), list(PageStream(docs["test"], PageSpec(augment=False), seed=2, length=args.test_pages)),
                    model.config["ocr_latent"]["mode"])
-    record = {"kind": "base model trained from scratch", "dir": str(to.relative_to(ROOT)) if to.is_absolute() else str(to),
+    record = {"kind": "base model trained from scratch", "dir": str(to.resolve().relative_to(ROOT)) if to.resolve().is_relative_to(ROOT) else str(to),
               "config": model.config, "steps": meta["step"], "wall_s": round(meta.get("wall_s", 0)),
               "hyperparameters": meta.get("args", {}), "seed": meta.get("seed"),
               "curve": meta["curve"], "data": data_record(docs, meta.get("seed", 0), PageSpec(), {"train": "stream, batch x steps",
