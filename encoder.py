@@ -65,7 +65,7 @@ def load_image(data: bytes | Image.Image) -> Image.Image:
 
 def make_view(image: Image.Image, mode: str) -> Image.Image:
     size, letterbox = MODES[mode]
-    image = ImageOps.exif_transpose(image).convert("RGB")
+    image = load_image(image)
     if letterbox:  # keep aspect, scale to fit (also up), centre on grey
         return ImageOps.pad(image, (size, size), color=PAD_FILL)
     return image.resize((size, size), Image.Resampling.BICUBIC)

@@ -155,8 +155,8 @@ def evaluate(model: OCRModel, pages, mode: str, batch: int = 16, quantizer=None)
     hyps = []
     for i in range(0, len(pages), batch):
         chunk = pages[i:i + batch]
+        feats = model.encoder.encode_images([p.image for p in chunk], mode)
         with torch.inference_mode():
-            feats = model.encoder(pixels_of(chunk, mode))
             if quantizer is not None:
                 feats = quantizer.decode(quantizer.encode(feats))
         hyps += read_pages(model, [model.decoder.layout_image(f) for f in feats])
@@ -327,7 +327,7 @@ def export_base(args) -> None:
     meta = json.loads((run / "train_meta.json").read_text())
     save_run(model, to)
     docs = split_documents(load_corpus())
-    val = evaluate(load_model(to), list(PageStream(docs["test"], PageSpec(augment=False), seed=2, length=args.test_pages)),
+    val = evaluate(model, list(PageStream(docs["test"], PageSpec(augment=False), seed=2, length=args.test_pages)),
                    model.config["ocr_latent"]["mode"])
     record = {"kind": "base model trained from scratch", "dir": str(to.resolve().relative_to(ROOT)) if to.resolve().is_relative_to(ROOT) else str(to),
               "config": model.config, "steps": meta["step"], "wall_s": round(meta.get("wall_s", 0)),
