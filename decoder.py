@@ -279,10 +279,11 @@ class RepetitionRule:
         return out - self.exempt
 
     def looping(self, generated: list[int]) -> bool:
-        t = generated
+        t, last = generated, generated[-1] if generated else None
         for p in range(1, min(self.max_period, len(t) // 3) + 1):
             span = max(3 * p, self.min_cycle_span)
-            if span <= len(t) and t[-span:-p] == t[len(t) - span + p:]:
+            # t[-1] == t[-1-p] is necessary for period p: an int compare skips most list slices
+            if t[-1 - p] == last and span <= len(t) and t[-span:-p] == t[len(t) - span + p:]:
                 return True
         if len(t) >= self.fuzzy_window:
             tail, g = t[-self.fuzzy_window:], self.fuzzy_gram
@@ -349,17 +350,18 @@ class Generator:
         positions = torch.tensor([self.positions[s.slot] for s in running], device=dev)
         tokens = torch.tensor([s.tokens[-1] for s in running], device=dev)
         logits = self.decoder.decode_step(self.cache, slots, positions, tokens)
-        for seq, row in zip(running, logits):
+        best = logits.argmax(-1).tolist()  # one call for the batch; rows with banned tokens redo theirs
+        for seq, row, token in zip(running, logits, best):
             self.positions[seq.slot] += 1
-            self._choose(seq, row)
+            self._choose(seq, row, token)
 
-    def _choose(self, seq: Sequence, logits: Tensor) -> None:
-        if self.rule is not None:
-            banned = self.rule.banned(seq.tokens)
-            if banned:
-                logits = logits.clone()
-                logits[list(banned)] = float("-inf")
-        token = int(logits.argmax())
+    def _choose(self, seq: Sequence, logits: Tensor, token: int | None = None) -> None:
+        banned = self.rule.banned(seq.tokens) if self.rule is not None else None
+        if banned:
+            logits = logits.clone()
+            logits[list(banned)] = float("-inf")
+            token = None
+        token = int(logits.argmax()) if token is None else token
         seq.tokens.append(token)
         if token == self.eos_id:
             seq.finish_reason = "stop"

@@ -10,11 +10,13 @@ projector -> MoE decoder) with a character-level tokenizer, reading the rendered
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +27,7 @@ from tqdm import tqdm
 
 from checkpoint import OCRModel, SpecialTokens, build_modules, file_sha256, init_weights, load_model, save_model
 from decoder import Generator, RepetitionRule
-from encoder import MODES, make_view, view_to_tensor
+from encoder import MODES, make_view, views_to_tensor
 from pages import CHARSET, PageSpec, PageStream, char_targets, load_corpus, sources_manifest, split_documents
 
 ROOT = Path(__file__).resolve().parent
@@ -114,7 +116,7 @@ def wer(hyp: str, ref: str) -> float:
 
 # ----------------------------------------------------------------------------- batches
 def pixels_of(pages, mode: str) -> torch.Tensor:
-    return torch.stack([view_to_tensor(make_view(p.image, mode)) for p in pages])
+    return views_to_tensor([make_view(p.image, mode) for p in pages])
 
 
 def teacher_forced_loss(model: OCRModel, image_embeds: list[torch.Tensor], texts: list[str],
@@ -205,7 +207,38 @@ def curriculum(step: int, every: int) -> PageSpec:
     return PageSpec(min_lines=low, max_lines=top)
 
 
+def build_feature_cache(model: OCRModel, docs, args, out: Path) -> tuple[torch.Tensor, list[str]]:
+    """Frozen-encoder features of `args.cache_pages` training pages, kept on disk (safetensors + JSON)
+    so a resumed decoder stage does not re-encode them. The decoder stage then costs a decoder step only."""
+    path = out / "features.safetensors"
+    if path.exists():
+        return load_file(str(path))["features"], json.loads((out / "features.json").read_text())
+    stream = PageStream(docs["train"], PageSpec(), seed=args.seed + 7)
+    feats, texts = [], []
+    for i in tqdm(range(0, args.cache_pages, 16), desc="feature cache", dynamic_ncols=True):
+        pages = [stream[j] for j in range(i, min(args.cache_pages, i + 16))]
+        feats.append(model.encoder.encode_images([p.image for p in pages], model.config["ocr_latent"]["mode"]).to(torch.bfloat16))
+        texts += [p.text for p in pages]
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({"features": torch.cat(feats)}, str(path))
+    (out / "features.json").write_text(json.dumps(texts))
+    return torch.cat(feats), texts
+
+
+@torch.no_grad()
+def slot_accuracy(model: OCRModel, order_head, pages, grid: int, slots: int) -> float:
+    """Share of occupied reading-order slots the order head reads right (the encoder stage's metric)."""
+    feats = model.encoder.encode_images([p.image for p in pages], model.config["ocr_latent"]["mode"])
+    pred = order_head(feats).reshape(*feats.shape[:2], slots, -1).argmax(-1)
+    target = torch.from_numpy(np.stack([order_targets(p, grid, slots) for p in pages]))
+    occupied = target != len(CHARSET)
+    return float((pred == target)[occupied].float().mean())
+
+
 def train_base(args) -> None:
+    """Stages: `joint` trains everything on text + auxiliary losses; `encoder` trains the towers and
+    projector on the dense per-token losses alone (no decoder: a local recognition task that converges
+    far faster); `decoder` freezes the towers and trains the decoder on cached features."""
     torch.manual_seed(args.seed)
     out = Path(args.out)
     docs = split_documents(load_corpus())
@@ -214,12 +247,16 @@ def train_base(args) -> None:
         state = load_file(str(out / "train_state.safetensors"))
         meta = json.loads((out / "train_meta.json").read_text())
         print(f"resuming {out} at step {meta['step']}")
+    elif args.init:
+        model, state, meta = load_model(args.init), {}, {"step": 0, "curve": [], "init": args.init}
     else:
         model, state, meta = new_nano(args.seed), {}, {"step": 0, "curve": []}
         calib = PageStream(docs["train"], PageSpec(), seed=args.seed + 1)
         scale = calibrate_projector(model, [calib[i] for i in range(32)], model.config["ocr_latent"]["mode"])
         meta["projector_calibration"] = f"output centred and divided by {scale:.2f}"
-    model.encoder.train(), model.decoder.train()
+    stage = args.stage
+    train_encoder, train_decoder = stage in ("joint", "encoder"), stage in ("joint", "decoder")
+    model.encoder.train(train_encoder), model.decoder.train(train_decoder)
     D = model.decoder.cfg.hidden_size
     aux_head = torch.nn.Linear(D, len(CHARSET))
     if "aux.weight" in state:
@@ -227,9 +264,13 @@ def train_base(args) -> None:
     order_head = torch.nn.Linear(D, args.order_slots * (len(CHARSET) + 1))
     if "order.weight" in state:
         order_head.load_state_dict({"weight": state["order.weight"], "bias": state["order.bias"]})
-    params = [*model.encoder.parameters(), *model.decoder.parameters(), *aux_head.parameters()]
-    if args.order_weight:  # appended last: optimiser-state indices of the others stay as saved
-        params += [*order_head.parameters()]
+    use_order = bool(args.order_weight) and train_encoder
+    for p in [*model.encoder.parameters(), *model.decoder.parameters()]:
+        p.requires_grad_(False)
+    params = [*(model.encoder.parameters() if train_encoder else []), *(model.decoder.parameters() if train_decoder else []),
+              *(aux_head.parameters() if train_encoder else []), *(order_head.parameters() if use_order else [])]
+    for p in params:
+        p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     for i, p in enumerate(params):  # parameters that never got a gradient (CLIP's unused patch conv) have none
         if f"opt.{i}.step" in state:
@@ -237,8 +278,20 @@ def train_base(args) -> None:
                             "exp_avg_sq": state[f"opt.{i}.exp_avg_sq"]}
     mode, grid = model.config["ocr_latent"]["mode"], model.encoder.cfg.sam_image_size // 64
     val_pages = [p for p in PageStream(docs["val"], PageSpec(augment=False), seed=1, length=args.val_pages)]
+    if stage == "decoder":
+        cached, cached_texts = build_feature_cache(model, docs, args, out)
+        epoch_order = functools.lru_cache(4)(lambda epoch: torch.randperm(
+            len(cached_texts), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist())
+    def page_batch(step: int):
+        stream = PageStream(docs["train"], curriculum(step, args.curriculum) if stage == "joint" else PageSpec(), seed=args.seed)
+        pages = [stream[step * args.batch + i] for i in range(args.batch)]
+        return pages, pixels_of(pages, mode)
+
+    # rendering and resizing (PIL, mostly outside the GIL) of the next batch overlap this step's compute
+    loader = ThreadPoolExecutor(1)
     t0, step = time.time(), meta["step"]
-    bar = tqdm(total=args.steps, initial=step, desc="base", dynamic_ncols=True)
+    prefetch = {step: loader.submit(page_batch, step)} if stage != "decoder" else {}
+    bar = tqdm(total=args.steps, initial=step, desc=f"base/{stage}", dynamic_ncols=True)
     while step < args.steps:
         lr = args.lr * min(1.0, (step + 1) / args.warmup)
         if args.decay_from and step > args.decay_from:  # cosine to 10% over the remaining steps
@@ -246,36 +299,45 @@ def train_base(args) -> None:
             lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
         for g in opt.param_groups:
             g["lr"] = lr
-        stream = PageStream(docs["train"], curriculum(step, args.curriculum), seed=args.seed)
-        pages = [stream[step * args.batch + i] for i in range(args.batch)]
+        row = {"step": step + 1}
+        loss = torch.zeros(())
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            feats = model.encoder(pixels_of(pages, mode))
-            aux_logits = aux_head(feats)
-            order_logits = order_head(feats) if args.order_weight else None
-            text = teacher_forced_loss(model, [model.decoder.layout_image(f) for f in feats], [p.text for p in pages],
-                                       args.token_dropout)
-        aux_target = torch.from_numpy(np.stack([char_targets(p, grid) for p in pages]))
-        aux = F.binary_cross_entropy_with_logits(aux_logits.float(), aux_target)
-        loss = text + args.aux_weight * aux
-        if args.order_weight:
-            order_target = torch.from_numpy(np.stack([order_targets(p, grid, args.order_slots) for p in pages]))
-            order = F.cross_entropy(order_logits.float().reshape(-1, len(CHARSET) + 1), order_target.flatten())
-            loss = loss + args.order_weight * order
+            if stage == "decoder":  # a fresh permutation of the cache each epoch
+                n = len(cached_texts)
+                idx = [epoch_order(g // n)[g % n] for g in range(step * args.batch, (step + 1) * args.batch)]
+                feats, texts = cached[idx].float(), [cached_texts[i] for i in idx]
+            else:
+                pages, pixels = prefetch.pop(step).result()
+                prefetch[step + 1] = loader.submit(page_batch, step + 1)
+                feats, texts = model.encoder(pixels), [p.text for p in pages]
+            if train_decoder:
+                text = teacher_forced_loss(model, [model.decoder.layout_image(f) for f in feats], texts, args.token_dropout)
+                loss, row["text_loss"] = loss + text, round(text.item(), 4)
+            if train_encoder:
+                aux_target = torch.from_numpy(np.stack([char_targets(p, grid) for p in pages]))
+                aux = F.binary_cross_entropy_with_logits(aux_head(feats).float(), aux_target)
+                loss, row["aux_loss"] = loss + args.aux_weight * aux, round(aux.item(), 4)
+            if use_order:
+                order_target = torch.from_numpy(np.stack([order_targets(p, grid, args.order_slots) for p in pages]))
+                order_loss = F.cross_entropy(order_head(feats).float().reshape(-1, len(CHARSET) + 1), order_target.flatten())
+                loss, row["order_loss"] = loss + args.order_weight * order_loss, round(order_loss.item(), 4)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
         bar.update(1)
-        bar.set_postfix(text=f"{text.item():.3f}", aux=f"{aux.item():.3f}", lr=f"{lr:.1e}")
-        row = {"step": step, "text_loss": round(text.item(), 4), "aux_loss": round(aux.item(), 4)}
+        bar.set_postfix({k: v for k, v in row.items() if k != "step"} | {"lr": f"{lr:.1e}"})
         if step % args.eval_every == 0 or step == args.steps:
             model.encoder.eval(), model.decoder.eval()
-            row["val_cer"] = round(evaluate(model, val_pages, mode)["cer"], 4)
-            model.encoder.train(), model.decoder.train()
-            tqdm.write(f"step {step}: val CER {row['val_cer']:.3f}  text loss {text.item():.3f}  ({time.time() - t0:.0f}s)")
-        if step % 10 == 0 or "val_cer" in row:
-            meta["curve"].append(row)
+            if train_decoder:
+                row["val_cer"] = round(evaluate(model, val_pages, mode)["cer"], 4)
+            if use_order:
+                row["val_slot_acc"] = round(slot_accuracy(model, order_head, val_pages, grid, args.order_slots), 4)
+            model.encoder.train(train_encoder), model.decoder.train(train_decoder)
+            tqdm.write(f"step {step}: {row}  ({time.time() - t0:.0f}s)")
+        if step % 10 == 0 or "val_cer" in row or "val_slot_acc" in row:
+            meta["curve"].append(row | {"stage": stage})
         if step % args.save_every == 0 or step == args.steps:
             meta.update(step=step, wall_s=meta.get("wall_s", 0) + time.time() - t0, seed=args.seed, args=vars(args))
             t0 = time.time()
@@ -288,11 +350,15 @@ def train_base(args) -> None:
             tmp = out.with_name(out.name + ".tmp")
             save_run(model, tmp, extra)
             (tmp / "train_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+            for name in ("features.safetensors", "features.json"):  # the decoder stage's cache moves with the run
+                if (out / name).exists():
+                    (out / name).rename(tmp / name)
             if out.exists():
                 out.with_name(out.name + ".old").exists() and subprocess.run(["rm", "-rf", str(out.with_name(out.name + ".old"))])
                 out.rename(out.with_name(out.name + ".old"))
             tmp.rename(out)
     bar.close()
+    loader.shutdown(cancel_futures=True)
 
 
 # ----------------------------------------------------------------------------- manifest
@@ -434,6 +500,9 @@ def main(argv=None) -> None:
     b = sub.add_parser("base", help="train the nano base model from scratch (resumable)")
     b.add_argument("--out", default="runs/nano")
     b.add_argument("--steps", type=int, default=3000)
+    b.add_argument("--stage", choices=["joint", "encoder", "decoder"], default="joint")
+    b.add_argument("--init", help="start from this model directory (e.g. an earlier stage's run)")
+    b.add_argument("--cache-pages", type=int, default=2048, help="decoder stage: training pages encoded once")
     b.add_argument("--batch", type=int, default=16)
     b.add_argument("--lr", type=float, default=1e-3)
     b.add_argument("--warmup", type=int, default=100)

@@ -68,3 +68,34 @@ def test_manifest_records_every_source_with_hash_and_split():
         names = {s["name"] for s in sources}
         assert len(names) == len(sources) == len(load_corpus())
     assert manifest["nano/quantizer"]["base_fingerprint"] == json.loads((NANO / "quantizer.json").read_text())["base_fingerprint"]
+
+
+def test_staged_base_training_trains_only_its_part_and_resumes(tmp_path):
+    """`base --stage encoder` moves the towers and projector only; `--stage decoder` (cached features)
+    moves the decoder only; a second call with more steps resumes where the first stopped."""
+    def params(model):
+        return ({k: v.clone() for k, v in model.encoder.state_dict().items()},
+                {k: v.clone() for k, v in model.decoder.state_dict().items()})
+
+    def changed(before, after):
+        return any(not torch.equal(before[k], after[k]) for k in before)
+
+    enc_run, dec_run = tmp_path / "enc", tmp_path / "dec"
+    common = ["--batch", "2", "--val-pages", "2", "--eval-every", "1000", "--threads", "2", "--save-every", "1"]
+    nano_enc, nano_dec = params(load_model(NANO))
+    train.main(["base", "--stage", "encoder", "--init", str(NANO), "--out", str(enc_run), "--steps", "2",
+                "--order-weight", "1", *common])
+    enc, dec = params(load_model(enc_run))
+    assert changed(nano_enc, enc) and not changed(nano_dec, dec)
+    meta = json.loads((enc_run / "train_meta.json").read_text())
+    assert meta["step"] == 2 and "val_slot_acc" in meta["curve"][-1]
+
+    train.main(["base", "--stage", "encoder", "--out", str(enc_run), "--steps", "3", "--order-weight", "1", *common])
+    assert json.loads((enc_run / "train_meta.json").read_text())["step"] == 3
+
+    train.main(["base", "--stage", "decoder", "--init", str(enc_run), "--out", str(dec_run), "--steps", "2",
+                "--cache-pages", "4", "--token-dropout", "0.1", *common])
+    enc2, dec2 = params(load_model(dec_run))
+    assert not changed(params(load_model(enc_run))[0], enc2) and changed(dec, dec2)
+    meta = json.loads((dec_run / "train_meta.json").read_text())
+    assert meta["step"] == 2 and "val_cer" in meta["curve"][-1] and (dec_run / "features.safetensors").exists()
