@@ -51,13 +51,15 @@ class RMSNorm(nn.Module):
         return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-def rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
-    """Llama rotate-half RoPE over the whole head. x [B,h,T,d], positions [B,T]."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+def rope_tables(positions: Tensor, d: int, theta: float, dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin [B,1,T,d] of Llama rotate-half RoPE over the whole head, positions [B,T]."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=positions.device, dtype=torch.float32) / d)
     freqs = positions.float()[..., None] * inv_freq  # [B,T,d/2]
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B,1,T,d]
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -101,13 +103,16 @@ class Attention(nn.Module):
                 decode_mask: Tensor | None) -> Tensor:
         B, T, H = x.shape
         q, k, v = (p(x).view(B, T, self.heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
-        q, k = rope(q, positions, self.theta), rope(k, positions, self.theta)
+        cos, sin = rope_tables(positions, q.shape[-1], self.theta, q.dtype)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
         if cache is not None:
             ck, cv = cache.update(layer, slots, positions, k, v)
         if decode_mask is None:  # prefill / full forward: causal over this call's tokens
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:  # one new token per slot against that slot's cached prefix (a slice of slots reads a view)
             L = decode_mask.shape[-1]
+            if not isinstance(slots, slice):  # index_select copies whole slot rows: ~6x faster than ck[slots]
+                ck, cv, slots = ck.index_select(0, slots), cv.index_select(0, slots), slice(None)
             out = F.scaled_dot_product_attention(q, ck[slots, :, :L], cv[slots, :, :L], attn_mask=decode_mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, H))
 
@@ -345,13 +350,24 @@ class Generator:
             return
         dev = self.cache.k.device
         lo, hi = running[0].slot, running[-1].slot + 1
-        contiguous = hi - lo == len(running)
-        slots = slice(lo, hi) if contiguous else torch.tensor([s.slot for s in running], device=dev)
-        positions = torch.tensor([self.positions[s.slot] for s in running], device=dev)
-        tokens = torch.tensor([s.tokens[-1] for s in running], device=dev)
+        if hi - lo <= 2 * len(running):
+            # Run the whole slot range lo..hi, idle slots included, so that attention reads the cache
+            # in place (gathering the running slots' keys/values costs more than a few wasted rows).
+            # An idle row writes its dummy key/value at position 0, which a finished sequence never
+            # reads again and a new one's prefill overwrites.
+            rows: list[Sequence | None] = [None] * (hi - lo)
+            for s in running:
+                rows[s.slot - lo] = s
+            slots = slice(lo, hi)
+        else:
+            rows, slots = list(running), torch.tensor([s.slot for s in running], device=dev)
+        positions = torch.tensor([self.positions[s.slot] if s else 0 for s in rows], device=dev)
+        tokens = torch.tensor([s.tokens[-1] if s else 0 for s in rows], device=dev)
         logits = self.decoder.decode_step(self.cache, slots, positions, tokens)
         best = logits.argmax(-1).tolist()  # one call for the batch; rows with banned tokens redo theirs
-        for seq, row, token in zip(running, logits, best):
+        for seq, row, token in zip(rows, logits, best):
+            if seq is None:
+                continue
             self.positions[seq.slot] += 1
             self._choose(seq, row, token)
 
