@@ -395,14 +395,31 @@ def export_base(args) -> None:
     docs = split_documents(load_corpus())
     val = evaluate(model, list(PageStream(docs["test"], PageSpec(augment=False), seed=2, length=args.test_pages)),
                    model.config["ocr_latent"]["mode"])
+    # A staged run starts from another run (--init): record every stage back to the first, and the
+    # manifest record of an exported model it started from, since runs/ is not kept.
+    stages, init = [], run
+    while (Path(init) / "train_meta.json").exists():
+        m = json.loads((Path(init) / "train_meta.json").read_text())
+        stages.insert(0, {"run": str(init), "stage": m.get("args", {}).get("stage", "joint"), "steps": m["step"],
+                          "wall_s": round(m.get("wall_s", 0)), "hyperparameters": m.get("args", {}), "curve": m["curve"]})
+        if not m.get("init"):
+            break
+        init = m["init"]
+    manifest_path = Path(args.manifest)
+    previous = json.loads(manifest_path.read_text())["artifacts"].get(f"{to.name}/base") if manifest_path.exists() else None
     record = {"kind": "base model trained from scratch", "dir": str(to.resolve().relative_to(ROOT)) if to.resolve().is_relative_to(ROOT) else str(to),
-              "config": model.config, "steps": meta["step"], "wall_s": round(meta.get("wall_s", 0)),
-              "hyperparameters": meta.get("args", {}), "seed": meta.get("seed"),
-              "curve": meta["curve"], "data": data_record(docs, meta.get("seed", 0), PageSpec(), {"train": "stream, batch x steps",
+              "config": model.config, "steps": sum(s["steps"] for s in stages), "wall_s": sum(s["wall_s"] for s in stages),
+              "stages": stages, "seed": meta.get("seed"),
+              "data": data_record(docs, meta.get("seed", 0), PageSpec(), {"train": "stream, batch x steps",
                                                                                                "test": args.test_pages}),
               "test_metrics_uncompressed": {"cer": round(val["cer"], 4), "wer": round(val["wer"], 4), "pages": val["pages"]},
               "weights_sha256": file_sha256(to / "model-00001-of-000001.safetensors")}
-    update_manifest(f"{to.name}/base", record, Path(args.manifest))
+    if previous and Path(init).resolve() == to.resolve() and not (Path(init) / "train_meta.json").exists():
+        # the first stage started from an earlier export of this model: keep that model's record
+        record["initialized_from"] = {k: v for k, v in previous.items() if k not in ("config", "data", "initialized_from")}
+        if "initialized_from" in previous:
+            record["initialized_from"]["initialized_from"] = previous["initialized_from"]
+    update_manifest(f"{to.name}/base", record, manifest_path)
     print(f"exported step {meta['step']} to {to}: test CER {val['cer']:.4f} WER {val['wer']:.4f} on {val['pages']} pages")
 
 

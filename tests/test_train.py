@@ -99,3 +99,11 @@ def test_staged_base_training_trains_only_its_part_and_resumes(tmp_path):
     assert not changed(params(load_model(enc_run))[0], enc2) and changed(dec, dec2)
     meta = json.loads((dec_run / "train_meta.json").read_text())
     assert meta["step"] == 2 and "val_cer" in meta["curve"][-1] and (dec_run / "features.safetensors").exists()
+
+    # the export serves the last stage's weights and its manifest record names every stage
+    manifest, exported = tmp_path / "manifest.json", tmp_path / "nano"
+    train.main(["export", "--run", str(dec_run), "--to", str(exported), "--test-pages", "2", "--manifest", str(manifest)])
+    assert not changed(params(load_model(dec_run))[1], params(load_model(exported))[1])
+    record = json.loads(manifest.read_text())["artifacts"]["nano/base"]
+    assert [(s["stage"], s["steps"]) for s in record["stages"]] == [("encoder", 3), ("decoder", 2)]
+    assert record["steps"] == 5 and record["test_metrics_uncompressed"]["pages"] == 2
