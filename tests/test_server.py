@@ -35,9 +35,13 @@ sys.path.insert(0, str(ROOT))
 
 from pages import PageSpec, PageStream, load_corpus, split_documents  # noqa: E402
 from quantizer import unpack  # noqa: E402
+from train import cer  # noqa: E402
 
 NUM_CODES = 4096
 BODY_LIMIT, PIXEL_LIMIT = 1_000_000, 1_000_000
+# Mean character error rate of the shipped nano through its codes on 16 held-out pages: measured
+# 0.XX (bench/fidelity.py, 64 pages: see README); the bound leaves room for CPU numerics.
+ROUND_TRIP_CER_LIMIT = 0.5
 
 
 # ----------------------------------------------------------------------------- servers
@@ -230,6 +234,22 @@ def test_round_trip(client, test_pages):
     assert 1 <= by_codes["num_tokens"] <= 400
     # prompt "free" is the default
     assert client.post("/decode", json={"codes": codes, "prompt": "free", "max_tokens": 400}).json() == by_codes
+
+
+def test_round_trip_reads_held_out_pages(client, test_pages):
+    """The served default really reads: 16 held-out test pages (text never seen in training) through
+    /encode -> 2 KiB codes -> /decode come back close to their own text, and far closer to it than
+    to the other pages' text (a language prior alone would be equally far from all of them)."""
+    with ThreadPoolExecutor(16) as pool:
+        codes = list(pool.map(lambda p: encode(client, p.image)["codes"], test_pages))
+        texts = [r["text"] for r in pool.map(lambda c: decode(client, c, 400), codes)]
+    truth = [p.text for p in test_pages]
+    own = [cer(t, ref) for t, ref in zip(texts, truth)]
+    others = [sum(cer(t, ref) for j, ref in enumerate(truth) if j != i) / (len(truth) - 1) for i, t in enumerate(texts)]
+    mean_own = sum(own) / len(own)
+    assert mean_own <= ROUND_TRIP_CER_LIMIT, (mean_own, list(zip(texts, truth))[:3])
+    assert sum(o < x for o, x in zip(own, others)) >= 14, list(zip(own, others))
+    assert mean_own < 0.75 * sum(others) / len(others)
 
 
 def test_image_formats_and_modes(client, test_pages):
