@@ -20,12 +20,16 @@ class FSQ(nn.Module):
 
     The way back maps a level to the z whose bound it is (the exact inverse of the tanh), then
     proj_out. proj_in is the pseudo-inverse of the learned proj_out, so codes -> features -> codes
-    is the identity by construction, and the straight-through gradient w.r.t. z is exactly 1."""
+    is the identity by construction, and the straight-through gradient w.r.t. z is exactly 1.
 
-    def __init__(self, embed_dim: int, tokens: int, levels: list[int]):
+    With `hidden` > 0 each side also gets a residual MLP (zero-initialised, so training starts from
+    the linear quantizer): a linear map to `dims` coordinates can only keep the top `dims` principal
+    directions, and a feature set whose information is spread wider needs a nonlinear code."""
+
+    def __init__(self, embed_dim: int, tokens: int, levels: list[int], hidden: int = 0):
         super().__init__()
         assert all(2 <= l <= 16 for l in levels), "4-bit codes need 2..16 levels per dimension"
-        self.embed_dim, self.tokens, self.levels = embed_dim, tokens, list(levels)
+        self.embed_dim, self.tokens, self.levels, self.hidden = embed_dim, tokens, list(levels), hidden
         self.dims = len(levels)
         L = torch.tensor(levels, dtype=torch.float32)
         self.register_buffer("half_range", (L - 1) / 2 * (1 + 1e-3), persistent=False)  # tanh scale
@@ -34,6 +38,11 @@ class FSQ(nn.Module):
         self.register_buffer("half_width", L // 2, persistent=False)  # code = level + half_width
         self.proj_out = nn.Linear(self.dims, embed_dim)
         nn.init.orthogonal_(self.proj_out.weight)
+        if hidden:
+            mlp = lambda i, o: nn.Sequential(nn.Linear(i, hidden), nn.GELU(), nn.Linear(hidden, o))
+            self.mlp_in, self.mlp_out = mlp(embed_dim, self.dims), mlp(self.dims, embed_dim)
+            for m in (self.mlp_in, self.mlp_out):
+                nn.init.zeros_(m[2].weight), nn.init.zeros_(m[2].bias)
 
     @property
     def num_codes(self) -> int:
@@ -42,7 +51,11 @@ class FSQ(nn.Module):
     def proj_in(self, features: Tensor) -> Tensor:
         """Least-squares inverse of proj_out: features [.., D] -> z [.., dims]."""
         pinv = torch.linalg.pinv(self.proj_out.weight.float())
-        return (features.float() - self.proj_out.bias.float()) @ pinv.T
+        z = (features.float() - self.proj_out.bias.float()) @ pinv.T
+        return z + self.mlp_in(features.float()) if self.hidden else z
+
+    def features_of(self, z: Tensor) -> Tensor:
+        return self.proj_out(z) + self.mlp_out(z) if self.hidden else self.proj_out(z)
 
     def bound(self, z: Tensor) -> Tensor:
         return torch.tanh(z + torch.atanh(self.offset / self.half_range)) * self.half_range - self.offset
@@ -54,7 +67,7 @@ class FSQ(nn.Module):
         """Training path: features -> quantised -> reconstructed features, straight-through."""
         z = self.proj_in(features)
         z_hat = self.unbound(self.bound(z).round())
-        return self.proj_out(z + (z_hat - z).detach())
+        return self.features_of(z + (z_hat - z).detach())
 
     def encode(self, features: Tensor) -> Tensor:
         """[B, T, D] -> codes [B, T*dims] uint8 in 0..L-1."""
@@ -64,7 +77,7 @@ class FSQ(nn.Module):
     def decode(self, codes: Tensor) -> Tensor:
         """codes [B, T*dims] (any int dtype) -> features [B, T, D] float32."""
         levels = codes.reshape(codes.shape[0], self.tokens, self.dims).float() - self.half_width
-        return self.proj_out(self.unbound(levels))
+        return self.features_of(self.unbound(levels))
 
     @torch.no_grad()
     def init_from_pca(self, features: Tensor, spread: float = 0.3) -> None:
@@ -86,13 +99,13 @@ class FSQ(nn.Module):
 
     def geometry(self) -> dict:
         return {"embed_dim": self.embed_dim, "tokens": self.tokens, "dims": self.dims, "levels": self.levels,
-                "num_codes": self.num_codes, "bits_per_code": 4}
+                "num_codes": self.num_codes, "bits_per_code": 4, "hidden": self.hidden}
 
     @classmethod
     def load(cls, path: str | Path) -> tuple["FSQ", dict]:
         path = Path(path)
         meta = json.loads(path.with_suffix(".json").read_text())
-        fsq = cls(meta["embed_dim"], meta["tokens"], meta["levels"])
+        fsq = cls(meta["embed_dim"], meta["tokens"], meta["levels"], meta.get("hidden", 0))
         fsq.load_state_dict(load_file(str(path)))
         return fsq, meta
 

@@ -454,7 +454,7 @@ def train_quantizer(args) -> None:
         p.requires_grad_(False)
     mode = model.config.get("ocr_latent", {}).get("mode", "base")
     tokens = (MODES[mode][0] // 64) ** 2
-    fsq = FSQ(model.decoder.cfg.hidden_size, tokens, [args.levels] * (NUM_CODES // tokens)).to(args.device)
+    fsq = FSQ(model.decoder.cfg.hidden_size, tokens, [args.levels] * (NUM_CODES // tokens), args.hidden).to(args.device)
     docs = split_documents(load_corpus())
     batches = page_batches(args, docs)
     prompt = model.config.get("ocr_latent", {}).get("prompt", FREE_PROMPT)
@@ -549,6 +549,7 @@ def main(argv=None) -> None:
     q.add_argument("--batch", type=int, default=16)
     q.add_argument("--lr", type=float, default=1e-3)
     q.add_argument("--levels", type=int, default=16)
+    q.add_argument("--hidden", type=int, default=0, help="width of residual MLPs around the projections (0: linear)")
     q.add_argument("--init", choices=["pca", "random"], default="pca")
     q.add_argument("--pca-batches", type=int, default=4)
     q.add_argument("--recon-weight", type=float, default=0.1)

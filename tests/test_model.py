@@ -331,3 +331,21 @@ def test_parity_tool_takes_other_sizes_top_k_and_the_large_mode(tmp_path, small_
     assert parity.main([str(tmp_path), str(tmp_path / "ref.safetensors")]) == 1
     failed = [line.split()[:2] for line in capsys.readouterr().out.splitlines() if line.endswith("FAIL")]
     assert ["large", "sam"] in failed and ["tiny", "sam"] in failed and ["large", "view"] not in failed
+
+
+def test_fsq_with_mlps_starts_as_the_linear_one_and_reloads(tmp_path):
+    torch.manual_seed(0)
+    data = torch.randn(64, 8, 4) @ torch.randn(4, 64)
+    linear, mlp = FSQ(embed_dim=64, tokens=8, levels=[16] * 4), FSQ(embed_dim=64, tokens=8, levels=[16] * 4, hidden=32)
+    linear.init_from_pca(data), mlp.init_from_pca(data)
+    assert torch.equal(linear.encode(data), mlp.encode(data))  # zero-initialised residuals: same start
+    opt = torch.optim.Adam(mlp.parameters(), lr=1e-2)
+    for _ in range(20):
+        opt.zero_grad()
+        (mlp(data) - data).pow(2).mean().backward()
+        opt.step()
+    assert mlp.mlp_out[2].weight.abs().sum() > 0  # the residual paths learn
+    mlp.save(tmp_path / "q.safetensors", {})
+    loaded, meta = FSQ.load(tmp_path / "q.safetensors")
+    assert meta["hidden"] == 32 and torch.equal(loaded.encode(data), mlp.encode(data))
+    assert torch.equal(loaded.decode(mlp.encode(data)), mlp.decode(mlp.encode(data)))
