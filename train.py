@@ -463,8 +463,23 @@ def train_quantizer(args) -> None:
     def features(images):  # clone: inference-mode tensors cannot be saved for the quantizer's backward
         return model.encoder.encode_images(images, mode).clone()
 
+    if args.cache_pages and args.data == "pages":
+        # the towers are frozen: encode a fixed set of training pages once (2/3 of a CPU step) and
+        # draw batches from it; build_feature_cache reuses a decoder-stage run's cache of this base
+        cache_dir = Path(args.cache_dir or Path(args.base) / "quantizer-cache")
+        cached, cached_texts = build_feature_cache(model, docs, argparse.Namespace(cache_pages=args.cache_pages, seed=0), cache_dir)
+        draw = torch.Generator().manual_seed(args.seed)
+
+        def next_batch():
+            idx = torch.randint(len(cached_texts), (args.batch,), generator=draw).tolist()
+            return cached[idx].to(args.device, torch.float32), [cached_texts[i] for i in idx]
+    else:
+        def next_batch():
+            images, texts = next(batches)
+            return features(images), texts
+
     if args.init == "pca":
-        fsq.init_from_pca(torch.cat([features(next(batches)[0]) for _ in range(args.pca_batches)]))
+        fsq.init_from_pca(torch.cat([next_batch()[0] for _ in range(args.pca_batches)]))
     opt = torch.optim.AdamW(fsq.parameters(), lr=args.lr, weight_decay=0.0)
     if args.grad_ckpt:  # recompute decoder layers in backward: activations of a 3B MoE are large
         for layer in model.decoder.layers:
@@ -473,8 +488,10 @@ def train_quantizer(args) -> None:
     peak_mem = 0
     bar = tqdm(range(args.steps), desc="quantizer", dynamic_ncols=True)
     for step in bar:
-        images, texts = next(batches)
-        feats = features(images)
+        if args.decay:  # cosine to 10 % over the run
+            for g in opt.param_groups:
+                g["lr"] = args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
+        feats, texts = next_batch()
         recon = fsq(feats)
         with torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             ce = teacher_forced_loss(model, [model.decoder.layout_image(r.to(dtype)) for r in recon], texts)
@@ -502,7 +519,10 @@ def train_quantizer(args) -> None:
               "wall_s": round(wall, 1), "sec_per_step": round(wall / max(1, args.steps), 3),
               "peak_gpu_mem_gb": round(peak_mem / 2**30, 2) if peak_mem else None,
               "hyperparameters": {k: v for k, v in vars(args).items() if k != "cmd"},
-              "data": data_record(docs, args.seed + 100, PageSpec(), {"train": args.steps * args.batch}) if args.data == "pages"
+              "data": (data_record(docs, 7, PageSpec(), {"train": f"{len(cached_texts)} cached pages (stream seed 7), "
+                                                          f"{args.steps * args.batch} draws", "cache": str(cache_dir)})
+                       if args.cache_pages else data_record(docs, args.seed + 100, PageSpec(), {"train": args.steps * args.batch}))
+              if args.data == "pages"
               else {"dir": args.data}, "curve": curve[::max(1, len(curve) // 100)], "final_metrics": metrics}
     digest = update_manifest(f"{out.parent.name}/quantizer", record, Path(args.manifest))
     fsq.cpu().save(out, {"base_model": model.name, "base_fingerprint": record["base_fingerprint"],
@@ -550,6 +570,9 @@ def main(argv=None) -> None:
     q.add_argument("--lr", type=float, default=1e-3)
     q.add_argument("--levels", type=int, default=16)
     q.add_argument("--hidden", type=int, default=0, help="width of residual MLPs around the projections (0: linear)")
+    q.add_argument("--cache-pages", type=int, default=0, help="rendered pages: train on features of this many pages, encoded once")
+    q.add_argument("--cache-dir", help="where the feature cache lives (default: BASE/quantizer-cache); a decoder-stage run of the same towers has one")
+    q.add_argument("--decay", action="store_true", help="cosine learning-rate decay to 10%%")
     q.add_argument("--init", choices=["pca", "random"], default="pca")
     q.add_argument("--pca-batches", type=int, default=4)
     q.add_argument("--recon-weight", type=float, default=0.1)

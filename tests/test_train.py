@@ -42,6 +42,20 @@ def test_a_few_quantizer_steps_lower_the_loss_and_write_a_loadable_quantizer(tmp
     assert sidecar["manifest_sha256"] and sidecar["levels"] == [16] * (4096 // sidecar["tokens"])
 
 
+def test_quantizer_on_cached_features_with_mlps(tmp_path):
+    """--cache-pages encodes rendered pages once and trains on them; --hidden adds the residual MLPs,
+    recorded in the sidecar so that the server rebuilds the same quantizer."""
+    out, manifest, cache = tmp_path / "quantizer.safetensors", tmp_path / "manifest.json", tmp_path / "cache"
+    train.main(["quantizer", "--base", str(NANO), "--steps", "12", "--batch", "4", "--lr", "3e-3", "--eval-pages", "0",
+                "--hidden", "32", "--cache-pages", "4", "--cache-dir", str(cache), "--decay", "--out", str(out),
+                "--manifest", str(manifest), "--threads", "2"])
+    assert len(json.loads((cache / "features.json").read_text())) == 4  # the texts of the cached pages
+    ce = [row["ce"] for row in json.loads(manifest.read_text())["artifacts"][f"{tmp_path.name}/quantizer"]["curve"]]
+    assert sum(ce[-3:]) < sum(ce[:3])  # batches are drawn from the same 4 pages
+    fsq, meta = load_quantizer(out, load_model(NANO))
+    assert meta["hidden"] == 32 and fsq.mlp_out[2].weight.abs().sum() > 0
+
+
 def test_a_quantizer_for_another_base_is_refused_with_the_fix(tmp_path):
     other = tmp_path / "other-base"
     shutil.copytree(NANO, other)
