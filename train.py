@@ -207,18 +207,28 @@ def curriculum(step: int, every: int) -> PageSpec:
     return PageSpec(min_lines=low, max_lines=top)
 
 
-def build_feature_cache(model: OCRModel, docs, args, out: Path) -> tuple[torch.Tensor, list[str]]:
-    """Frozen-encoder features of `args.cache_pages` training pages, kept on disk (safetensors + JSON)
-    so a resumed decoder stage does not re-encode them. The decoder stage then costs a decoder step only."""
+def cache_stream_seed(seed: int) -> int:
+    """PageStream seed of the feature cache of a run with --seed `seed` (kept apart from its batches)."""
+    return seed + 7
+
+
+def cosine_to_tenth(frac: float) -> float:
+    """Learning-rate factor: cosine from 1 to 0.1 as `frac` goes from 0 to 1."""
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+def build_feature_cache(model: OCRModel, docs, pages: int, seed: int, out: Path) -> tuple[torch.Tensor, list[str]]:
+    """Frozen-encoder features of `pages` training pages, kept on disk (safetensors + JSON) so a
+    resumed decoder stage does not re-encode them. The decoder stage then costs a decoder step only."""
     path = out / "features.safetensors"
     if path.exists():
         return load_file(str(path))["features"], json.loads((out / "features.json").read_text())
-    stream = PageStream(docs["train"], PageSpec(), seed=args.seed + 7)
+    stream = PageStream(docs["train"], PageSpec(), seed=cache_stream_seed(seed))
     feats, texts = [], []
-    for i in tqdm(range(0, args.cache_pages, 16), desc="feature cache", dynamic_ncols=True):
-        pages = [stream[j] for j in range(i, min(args.cache_pages, i + 16))]
-        feats.append(model.encoder.encode_images([p.image for p in pages], model.config["ocr_latent"]["mode"]).to(torch.bfloat16))
-        texts += [p.text for p in pages]
+    for i in tqdm(range(0, pages, 16), desc="feature cache", dynamic_ncols=True):
+        chunk = [stream[j] for j in range(i, min(pages, i + 16))]
+        feats.append(model.encoder.encode_images([p.image for p in chunk], model.config["ocr_latent"]["mode"]).to(torch.bfloat16))
+        texts += [p.text for p in chunk]
     out.mkdir(parents=True, exist_ok=True)
     save_file({"features": torch.cat(feats)}, str(path))
     (out / "features.json").write_text(json.dumps(texts))
@@ -279,7 +289,7 @@ def train_base(args) -> None:
     mode, grid = model.config["ocr_latent"]["mode"], model.encoder.cfg.sam_image_size // 64
     val_pages = [p for p in PageStream(docs["val"], PageSpec(augment=False), seed=1, length=args.val_pages)]
     if stage == "decoder":
-        cached, cached_texts = build_feature_cache(model, docs, args, out)
+        cached, cached_texts = build_feature_cache(model, docs, args.cache_pages, args.seed, out)
         epoch_order = functools.lru_cache(4)(lambda epoch: torch.randperm(
             len(cached_texts), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist())
     def page_batch(step: int):
@@ -296,7 +306,7 @@ def train_base(args) -> None:
         lr = args.lr * min(1.0, (step + 1) / args.warmup)
         if args.decay_from and step > args.decay_from:  # cosine to 10% over the remaining steps
             frac = (step - args.decay_from) / max(1, args.steps - args.decay_from)
-            lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
+            lr *= cosine_to_tenth(frac)
         for g in opt.param_groups:
             g["lr"] = lr
         row = {"step": step + 1}
@@ -416,9 +426,7 @@ def export_base(args) -> None:
               "weights_sha256": file_sha256(to / "model-00001-of-000001.safetensors")}
     if previous and Path(init).resolve() == to.resolve() and not (Path(init) / "train_meta.json").exists():
         # the first stage started from an earlier export of this model: keep that model's record
-        record["initialized_from"] = {k: v for k, v in previous.items() if k not in ("config", "data", "initialized_from")}
-        if "initialized_from" in previous:
-            record["initialized_from"]["initialized_from"] = previous["initialized_from"]
+        record["initialized_from"] = {k: v for k, v in previous.items() if k not in ("config", "data")}
     update_manifest(f"{to.name}/base", record, manifest_path)
     print(f"exported step {meta['step']} to {to}: test CER {val['cer']:.4f} WER {val['wer']:.4f} on {val['pages']} pages")
 
@@ -465,9 +473,10 @@ def train_quantizer(args) -> None:
 
     if args.cache_pages and args.data == "pages":
         # the towers are frozen: encode a fixed set of training pages once (2/3 of a CPU step) and
-        # draw batches from it; build_feature_cache reuses a decoder-stage run's cache of this base
+        # draw batches from it; the pages are those of a decoder-stage run with --seed 0, whose cache
+        # (same frozen towers) --cache-dir can point at
         cache_dir = Path(args.cache_dir or Path(args.base) / "quantizer-cache")
-        cached, cached_texts = build_feature_cache(model, docs, argparse.Namespace(cache_pages=args.cache_pages, seed=0), cache_dir)
+        cached, cached_texts = build_feature_cache(model, docs, args.cache_pages, 0, cache_dir)
         draw = torch.Generator().manual_seed(args.seed)
 
         def next_batch():
@@ -490,7 +499,7 @@ def train_quantizer(args) -> None:
     for step in bar:
         if args.decay:  # cosine to 10 % over the run
             for g in opt.param_groups:
-                g["lr"] = args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
+                g["lr"] = args.lr * cosine_to_tenth(step / args.steps)
         feats, texts = next_batch()
         recon = fsq(feats)
         with torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
@@ -519,7 +528,7 @@ def train_quantizer(args) -> None:
               "wall_s": round(wall, 1), "sec_per_step": round(wall / max(1, args.steps), 3),
               "peak_gpu_mem_gb": round(peak_mem / 2**30, 2) if peak_mem else None,
               "hyperparameters": {k: v for k, v in vars(args).items() if k != "cmd"},
-              "data": (data_record(docs, 7, PageSpec(), {"train": f"{len(cached_texts)} cached pages (stream seed 7), "
+              "data": (data_record(docs, cache_stream_seed(0), PageSpec(), {"train": f"{len(cached_texts)} cached pages, "
                                                           f"{args.steps * args.batch} draws", "cache": str(cache_dir)})
                        if args.cache_pages else data_record(docs, args.seed + 100, PageSpec(), {"train": args.steps * args.batch}))
               if args.data == "pages"
