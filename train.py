@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -124,6 +125,14 @@ def teacher_forced_loss(model: OCRModel, image_embeds: list[torch.Tensor], texts
     """Mean cross-entropy of the page text (and EOS) given BOS + image + prompt, as the decoder reads it.
     token_dropout replaces that share of the *input* text tokens by the pad token: a decoder that
     cannot lean on its own language model has to read the image (against posterior collapse)."""
+    logits, target = teacher_forced_logits(model, image_embeds, texts, token_dropout)
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
+
+
+def teacher_forced_logits(model: OCRModel, image_embeds: list[torch.Tensor], texts: list[str],
+                          token_dropout: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [B, T, V] of the decoder reading BOS + image + prompt + text, and the targets [B, T]
+    (the next text token, -100 where nothing is scored)."""
     prompt = model.prompt_ids(model.config["ocr_latent"]["prompt"])
     inputs, targets = [], []
     for emb, text in zip(image_embeds, texts):
@@ -139,8 +148,7 @@ def teacher_forced_loss(model: OCRModel, image_embeds: list[torch.Tensor], texts
     T = max(x.shape[0] for x in inputs)
     embeds = torch.stack([F.pad(x, (0, 0, 0, T - x.shape[0])) for x in inputs])
     target = torch.stack([F.pad(t, (0, T - t.shape[0]), value=-100) for t in targets])
-    logits = model.decoder(embeds)
-    return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
+    return model.decoder(embeds), target
 
 
 @torch.inference_mode()
@@ -220,9 +228,16 @@ def cosine_to_tenth(frac: float) -> float:
 def build_feature_cache(model: OCRModel, docs, pages: int, seed: int, out: Path) -> tuple[torch.Tensor, list[str]]:
     """Frozen-encoder features of `pages` training pages, kept on disk (safetensors + JSON) so a
     resumed decoder stage does not re-encode them. The decoder stage then costs a decoder step only."""
+    from pipeline import base_fingerprint
     path = out / "features.safetensors"
+    # a cache is only good for the towers, pages and count it was made from
+    key = {"base_fingerprint": base_fingerprint(model), "stream_seed": str(cache_stream_seed(seed)), "pages": str(pages)}
     if path.exists():
-        return load_file(str(path))["features"], json.loads((out / "features.json").read_text())
+        with safe_open(str(path), "pt") as f:
+            made_for = f.metadata() or {}
+        if all(made_for.get(k) == v for k, v in key.items()):
+            return load_file(str(path))["features"], json.loads((out / "features.json").read_text())
+        print(f"{path} was made for other towers, pages or count ({made_for}); encoding again")
     stream = PageStream(docs["train"], PageSpec(), seed=cache_stream_seed(seed))
     feats, texts = [], []
     for i in tqdm(range(0, pages, 16), desc="feature cache", dynamic_ncols=True):
@@ -230,7 +245,7 @@ def build_feature_cache(model: OCRModel, docs, pages: int, seed: int, out: Path)
         feats.append(model.encoder.encode_images([p.image for p in chunk], model.config["ocr_latent"]["mode"]).to(torch.bfloat16))
         texts += [p.text for p in chunk]
     out.mkdir(parents=True, exist_ok=True)
-    save_file({"features": torch.cat(feats)}, str(path))
+    save_file({"features": torch.cat(feats)}, str(path), metadata=key)
     (out / "features.json").write_text(json.dumps(texts))
     return torch.cat(feats), texts
 
@@ -473,10 +488,10 @@ def train_quantizer(args) -> None:
 
     if args.cache_pages and args.data == "pages":
         # the towers are frozen: encode a fixed set of training pages once (2/3 of a CPU step) and
-        # draw batches from it; the pages are those of a decoder-stage run with --seed 0, whose cache
-        # (same frozen towers) --cache-dir can point at
+        # draw batches from it; the pages are those of a decoder-stage run with the same --seed, whose
+        # cache (same frozen towers) --cache-dir can point at
         cache_dir = Path(args.cache_dir or Path(args.base) / "quantizer-cache")
-        cached, cached_texts = build_feature_cache(model, docs, args.cache_pages, 0, cache_dir)
+        cached, cached_texts = build_feature_cache(model, docs, args.cache_pages, args.seed, cache_dir)
         draw = torch.Generator().manual_seed(args.seed)
 
         def next_batch():
@@ -503,17 +518,27 @@ def train_quantizer(args) -> None:
         feats, texts = next_batch()
         recon = fsq(feats)
         with torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            ce = teacher_forced_loss(model, [model.decoder.layout_image(r.to(dtype)) for r in recon], texts)
+            logits, target = teacher_forced_logits(model, [model.decoder.layout_image(r.to(dtype)) for r in recon], texts)
+            ce = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
+            if args.distill:  # the frozen model reading the uncompressed features is the teacher
+                with torch.no_grad():
+                    teacher, _ = teacher_forced_logits(model, [model.decoder.layout_image(f.to(dtype)) for f in feats], texts)
+                scored = target != -100
+                kl = F.kl_div(logits[scored].log_softmax(-1), teacher[scored].log_softmax(-1), log_target=True,
+                              reduction="batchmean")
         mse = F.mse_loss(recon, feats) / feats.var().clamp_min(1e-8)
-        loss = ce + args.recon_weight * mse
+        loss = ce + args.recon_weight * mse + (args.distill * kl if args.distill else 0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(fsq.parameters(), 1.0)
         opt.step()
         if args.device.startswith("cuda"):
             peak_mem = max(peak_mem, torch.cuda.max_memory_allocated())
-        bar.set_postfix(ce=f"{ce.item():.3f}", mse=f"{mse.item():.3f}")
-        curve.append({"step": step + 1, "ce": round(ce.item(), 4), "rel_mse": round(mse.item(), 4)})
+        row = {"step": step + 1, "ce": round(ce.item(), 4), "rel_mse": round(mse.item(), 4)}
+        if args.distill:
+            row["kl"] = round(kl.item(), 4)
+        bar.set_postfix({k: f"{v:.3f}" for k, v in row.items() if k != "step"})
+        curve.append(row)
     wall = time.time() - t0
     out = Path(args.out or Path(args.base) / "quantizer.safetensors")
     metrics = {}
@@ -528,7 +553,7 @@ def train_quantizer(args) -> None:
               "wall_s": round(wall, 1), "sec_per_step": round(wall / max(1, args.steps), 3),
               "peak_gpu_mem_gb": round(peak_mem / 2**30, 2) if peak_mem else None,
               "hyperparameters": {k: v for k, v in vars(args).items() if k != "cmd"},
-              "data": (data_record(docs, cache_stream_seed(0), PageSpec(), {"train": f"{len(cached_texts)} cached pages, "
+              "data": (data_record(docs, cache_stream_seed(args.seed), PageSpec(), {"train": f"{len(cached_texts)} cached pages, "
                                                           f"{args.steps * args.batch} draws", "cache": str(cache_dir)})
                        if args.cache_pages else data_record(docs, args.seed + 100, PageSpec(), {"train": args.steps * args.batch}))
               if args.data == "pages"
@@ -585,6 +610,8 @@ def main(argv=None) -> None:
     q.add_argument("--init", choices=["pca", "random"], default="pca")
     q.add_argument("--pca-batches", type=int, default=4)
     q.add_argument("--recon-weight", type=float, default=0.1)
+    q.add_argument("--distill", type=float, default=0.0,
+                   help="weight of the KL divergence to the logits of the uncompressed features (one more forward a step)")
     q.add_argument("--eval-pages", type=int, default=64)
     q.add_argument("--device", default="cpu")
     q.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")

@@ -44,16 +44,23 @@ def test_a_few_quantizer_steps_lower_the_loss_and_write_a_loadable_quantizer(tmp
 
 def test_quantizer_on_cached_features_with_mlps(tmp_path):
     """--cache-pages encodes rendered pages once and trains on them; --hidden adds the residual MLPs,
-    recorded in the sidecar so that the server rebuilds the same quantizer."""
+    recorded in the sidecar so that the server rebuilds the same quantizer; --distill pulls the
+    decoder's reading of the codes towards its reading of the uncompressed features."""
     out, manifest, cache = tmp_path / "quantizer.safetensors", tmp_path / "manifest.json", tmp_path / "cache"
     train.main(["quantizer", "--base", str(NANO), "--steps", "12", "--batch", "4", "--lr", "3e-3", "--eval-pages", "0",
-                "--hidden", "32", "--cache-pages", "4", "--cache-dir", str(cache), "--decay", "--out", str(out),
+                "--hidden", "32", "--cache-pages", "4", "--cache-dir", str(cache), "--decay", "--distill", "1", "--out", str(out),
                 "--manifest", str(manifest), "--threads", "2"])
     assert len(json.loads((cache / "features.json").read_text())) == 4  # the texts of the cached pages
-    ce = [row["ce"] for row in json.loads(manifest.read_text())["artifacts"][f"{tmp_path.name}/quantizer"]["curve"]]
-    assert sum(ce[-3:]) < sum(ce[:3])  # batches are drawn from the same 4 pages
+    curve = json.loads(manifest.read_text())["artifacts"][f"{tmp_path.name}/quantizer"]["curve"]
+    for key in ("ce", "kl"):  # batches are drawn from the same 4 pages
+        values = [row[key] for row in curve]
+        assert sum(values[-3:]) < sum(values[:3]), (key, values)
     fsq, meta = load_quantizer(out, load_model(NANO))
     assert meta["hidden"] == 32 and fsq.mlp_out[2].weight.abs().sum() > 0
+    # a cache is reused only for the pages it holds: another count (or seed, or base) encodes again
+    train.main(["quantizer", "--base", str(NANO), "--steps", "1", "--batch", "2", "--eval-pages", "0", "--cache-pages", "3",
+                "--cache-dir", str(cache), "--out", str(tmp_path / "q2.safetensors"), "--manifest", str(manifest)])
+    assert len(json.loads((cache / "features.json").read_text())) == 3
 
 
 def test_a_quantizer_for_another_base_is_refused_with_the_fix(tmp_path):
