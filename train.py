@@ -10,6 +10,7 @@ projector -> MoE decoder) with a character-level tokenizer, reading the rendered
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import hashlib
 import json
@@ -208,6 +209,17 @@ def calibrate_projector(model: OCRModel, pages, mode: str) -> float:
     return float(scale)
 
 
+@torch.no_grad()
+def fold_bottleneck(model: OCRModel, fsq) -> None:
+    """Make the projector emit what the (linear) bottleneck passes: f -> P (f - b) + b, where P projects
+    on the span of fsq.proj_out. The map is affine, so it folds into the projector's weights and the base
+    keeps the original layout; fsq's codes of the folded features are those of the unfolded ones."""
+    layer, w_out, b_out = model.encoder.projector.layers, fsq.proj_out.weight.float(), fsq.proj_out.bias.float()
+    proj = w_out @ torch.linalg.pinv(w_out)
+    layer.bias.copy_(proj @ (layer.bias.float() - b_out) + b_out)
+    layer.weight.copy_(proj @ layer.weight.float())
+
+
 def curriculum(step: int, every: int) -> PageSpec:
     """Few lines first, then the target task (3-6 lines) from step 3*every on."""
     top = min(6, 3 + step // every) if step >= every else 3
@@ -290,10 +302,21 @@ def train_base(args) -> None:
     if "order.weight" in state:
         order_head.load_state_dict({"weight": state["order.weight"], "bias": state["order.bias"]})
     use_order = bool(args.order_weight) and train_encoder
+    bottleneck = None
+    if args.bottleneck:  # a linear FSQ between the cached features and the decoder, learned with it
+        if stage != "decoder":
+            raise SystemExit("--bottleneck trains with the decoder stage (--stage decoder)")
+        from pipeline import NUM_CODES
+        from quantizer import FSQ
+        tokens = (MODES[model.config["ocr_latent"]["mode"]][0] // 64) ** 2
+        bottleneck = FSQ(D, tokens, [args.levels] * (NUM_CODES // tokens))
+        if "bottleneck.proj_out.weight" in state:
+            bottleneck.load_state_dict({k.removeprefix("bottleneck."): v for k, v in state.items() if k.startswith("bottleneck.")})
     for p in [*model.encoder.parameters(), *model.decoder.parameters()]:
         p.requires_grad_(False)
     params = [*(model.encoder.parameters() if train_encoder else []), *(model.decoder.parameters() if train_decoder else []),
-              *(aux_head.parameters() if train_encoder else []), *(order_head.parameters() if use_order else [])]
+              *(aux_head.parameters() if train_encoder else []), *(order_head.parameters() if use_order else []),
+              *(bottleneck.parameters() if bottleneck else [])]
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
@@ -305,6 +328,8 @@ def train_base(args) -> None:
     val_pages = [p for p in PageStream(docs["val"], PageSpec(augment=False), seed=1, length=args.val_pages)]
     if stage == "decoder":
         cached, cached_texts = build_feature_cache(model, docs, args.cache_pages, args.seed, out)
+        if bottleneck and "bottleneck.proj_out.weight" not in state:
+            bottleneck.init_from_pca(cached[:256].float())
         epoch_order = functools.lru_cache(4)(lambda epoch: torch.randperm(
             len(cached_texts), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist())
     def page_batch(step: int):
@@ -331,6 +356,10 @@ def train_base(args) -> None:
                 n = len(cached_texts)
                 idx = [epoch_order(g // n)[g % n] for g in range(step * args.batch, (step + 1) * args.batch)]
                 feats, texts = cached[idx].float(), [cached_texts[i] for i in idx]
+                if bottleneck:  # the decoder learns to read the projection, rounded to the codes' levels or not
+                    with torch.autocast("cpu", enabled=False):  # rounding in fp32
+                        rounded = torch.rand(len(idx), 1, 1) < args.bottleneck_rounded
+                        feats = torch.where(rounded, bottleneck(feats), bottleneck.features_of(bottleneck.proj_in(feats)))
             else:
                 pages, pixels = prefetch.pop(step).result()
                 prefetch[step + 1] = loader.submit(page_batch, step + 1)
@@ -355,7 +384,12 @@ def train_base(args) -> None:
         bar.set_postfix({k: v for k, v in row.items() if k != "step"} | {"lr": f"{lr:.1e}"})
         if step % args.eval_every == 0 or step == args.steps:
             model.encoder.eval(), model.decoder.eval()
-            if train_decoder:
+            if bottleneck:  # what the export (bottleneck folded into the projector) reads, without and with the codes
+                folded = copy.deepcopy(model)
+                fold_bottleneck(folded, bottleneck)
+                row["val_cer"] = round(evaluate(folded, val_pages, mode)["cer"], 4)
+                row["val_cer_codes"] = round(evaluate(folded, val_pages, mode, quantizer=bottleneck)["cer"], 4)
+            elif train_decoder:
                 row["val_cer"] = round(evaluate(model, val_pages, mode)["cer"], 4)
             if use_order:
                 row["val_slot_acc"] = round(slot_accuracy(model, order_head, val_pages, grid, args.order_slots), 4)
@@ -368,6 +402,8 @@ def train_base(args) -> None:
             t0 = time.time()
             extra = {"aux.weight": aux_head.weight, "aux.bias": aux_head.bias,
                      "order.weight": order_head.weight, "order.bias": order_head.bias}
+            if bottleneck:
+                extra.update({f"bottleneck.{k}": v for k, v in bottleneck.state_dict().items()})
             for i, p in enumerate(params):
                 s = opt.state.get(p)
                 if s:
@@ -416,6 +452,17 @@ def export_base(args) -> None:
     run, to = Path(args.run), Path(args.to)
     model = load_model(run)
     meta = json.loads((run / "train_meta.json").read_text())
+    with safe_open(str(run / "train_state.safetensors"), "pt") as f:
+        bottleneck = {k.removeprefix("bottleneck."): f.get_tensor(k) for k in f.keys() if k.startswith("bottleneck.")}
+    if bottleneck:  # a --bottleneck run: the base emits the bottleneck's projection; its FSQ can start a quantizer
+        from quantizer import FSQ
+        w = bottleneck["proj_out.weight"]
+        tokens = (MODES[model.config["ocr_latent"]["mode"]][0] // 64) ** 2
+        fsq = FSQ(w.shape[0], tokens, [meta["args"]["levels"]] * w.shape[1])
+        fsq.load_state_dict(bottleneck)
+        fold_bottleneck(model, fsq)
+        fsq.save(run / "bottleneck.safetensors", {"from_run": str(run), "note": "linear FSQ learned with the decoder; "
+                                                  "start a quantizer from it with train.py quantizer --init PATH"})
     save_run(model, to)
     docs = split_documents(load_corpus())
     val = evaluate(model, list(PageStream(docs["test"], PageSpec(augment=False), seed=2, length=args.test_pages)),
@@ -504,6 +551,12 @@ def train_quantizer(args) -> None:
 
     if args.init == "pca":
         fsq.init_from_pca(torch.cat([next_batch()[0] for _ in range(args.pca_batches)]))
+    elif args.init != "random":  # an FSQ file (e.g. the bottleneck of a --bottleneck base run); new MLPs start at zero
+        start, _ = FSQ.load(args.init)
+        if start.levels != fsq.levels or start.tokens != fsq.tokens or start.hidden not in (0, fsq.hidden):
+            raise SystemExit(f"--init {args.init}: geometry {start.geometry()} does not match {fsq.geometry()}")
+        missing = fsq.load_state_dict(start.state_dict(), strict=False).missing_keys
+        assert all(k.startswith("mlp_") for k in missing), missing
     opt = torch.optim.AdamW(fsq.parameters(), lr=args.lr, weight_decay=0.0)
     if args.grad_ckpt:  # recompute decoder layers in backward: activations of a 3B MoE are large
         for layer in model.decoder.layers:
@@ -587,6 +640,10 @@ def main(argv=None) -> None:
     b.add_argument("--val-pages", type=int, default=32)
     b.add_argument("--save-every", type=int, default=50)
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--bottleneck", action="store_true", help="decoder stage: learn a linear FSQ with the decoder and "
+                   "fold its projection into the projector at export (a base whose features fit the codes)")
+    b.add_argument("--bottleneck-rounded", type=float, default=0.5, help="share of samples read through the rounded codes")
+    b.add_argument("--levels", type=int, default=16)
     b.add_argument("--bf16", action="store_true", help="bf16 autocast (CPUs with avx512_bf16/AMX)")
     b.add_argument("--threads", type=int, default=1)
     e = sub.add_parser("export", help="copy a training run's model to a servable directory")
@@ -607,7 +664,7 @@ def main(argv=None) -> None:
     q.add_argument("--cache-pages", type=int, default=0, help="rendered pages: train on features of this many pages, encoded once")
     q.add_argument("--cache-dir", help="where the feature cache lives (default: BASE/quantizer-cache); a decoder-stage run of the same towers has one")
     q.add_argument("--decay", action="store_true", help="cosine learning-rate decay to 10%%")
-    q.add_argument("--init", choices=["pca", "random"], default="pca")
+    q.add_argument("--init", default="pca", help="pca, random, or an FSQ .safetensors to start from (its MLPs, if any, too)")
     q.add_argument("--pca-batches", type=int, default=4)
     q.add_argument("--recon-weight", type=float, default=0.1)
     q.add_argument("--distill", type=float, default=0.0,

@@ -45,9 +45,10 @@ def test_a_few_quantizer_steps_lower_the_loss_and_write_a_loadable_quantizer(tmp
 def test_quantizer_on_cached_features_with_mlps(tmp_path):
     """--cache-pages encodes rendered pages once and trains on them; --hidden adds the residual MLPs,
     recorded in the sidecar so that the server rebuilds the same quantizer; --distill pulls the
-    decoder's reading of the codes towards its reading of the uncompressed features."""
+    decoder's reading of the codes towards its reading of the uncompressed features. (A random start:
+    nano's features lie in a 16-dim subspace, so a PCA start already reads almost as well as they do.)"""
     out, manifest, cache = tmp_path / "quantizer.safetensors", tmp_path / "manifest.json", tmp_path / "cache"
-    train.main(["quantizer", "--base", str(NANO), "--steps", "12", "--batch", "4", "--lr", "3e-3", "--eval-pages", "0",
+    train.main(["quantizer", "--base", str(NANO), "--init", "random", "--steps", "12", "--batch", "4", "--lr", "3e-3", "--eval-pages", "0",
                 "--hidden", "32", "--cache-pages", "4", "--cache-dir", str(cache), "--decay", "--distill", "1", "--out", str(out),
                 "--manifest", str(manifest), "--threads", "2"])
     assert len(json.loads((cache / "features.json").read_text())) == 4  # the texts of the cached pages
@@ -128,3 +129,28 @@ def test_staged_base_training_trains_only_its_part_and_resumes(tmp_path):
     record = json.loads(manifest.read_text())["artifacts"]["nano/base"]
     assert [(s["stage"], s["steps"]) for s in record["stages"]] == [("encoder", 3), ("decoder", 2)]
     assert record["steps"] == 5 and record["test_metrics_uncompressed"]["pages"] == 2
+
+
+def test_bottleneck_decoder_stage_folds_into_the_projector_and_starts_a_quantizer(tmp_path):
+    """`--bottleneck` learns a linear FSQ with the decoder; the export folds its projection into the
+    projector (original layout, rank = code dims per token), and that FSQ gives the exported base
+    the same codes as the run's features, so a quantizer can start from it (--init PATH)."""
+    run, exported = tmp_path / "bn", tmp_path / "nano"
+    train.main(["base", "--stage", "decoder", "--init", str(NANO), "--out", str(run), "--steps", "2", "--batch", "2",
+                "--cache-pages", "4", "--val-pages", "2", "--eval-every", "2", "--threads", "2", "--bottleneck"])
+    assert "val_cer_codes" in json.loads((run / "train_meta.json").read_text())["curve"][-1]
+    train.main(["export", "--run", str(run), "--to", str(exported), "--test-pages", "2", "--manifest", str(tmp_path / "m.json")])
+    fsq, _ = FSQ.load(run / "bottleneck.safetensors")
+    unfolded, folded = load_model(run), load_model(exported)
+    assert torch.linalg.matrix_rank(folded.encoder.projector.layers.weight) == fsq.dims == 16
+    page = PageStream(split_documents(load_corpus())["test"], PageSpec(augment=False), seed=5)[0]
+    with torch.inference_mode():
+        before, after = (m.encoder.encode_images([page.image], "base") for m in (unfolded, folded))
+        assert torch.equal(fsq.encode(before), fsq.encode(after))
+        assert not torch.allclose(before, after)  # the fold did change the base
+    out = tmp_path / "q.safetensors"
+    train.main(["quantizer", "--base", str(exported), "--init", str(run / "bottleneck.safetensors"), "--hidden", "8",
+                "--steps", "1", "--batch", "2", "--lr", "0", "--cache-pages", "2", "--eval-pages", "0", "--out", str(out),
+                "--manifest", str(tmp_path / "m.json")])
+    started, _ = load_quantizer(out, folded)
+    torch.testing.assert_close(started.proj_out.weight, fsq.proj_out.weight)
