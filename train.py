@@ -263,9 +263,12 @@ def build_feature_cache(model: OCRModel, docs, pages: int, seed: int, out: Path)
 
 
 @torch.no_grad()
-def slot_accuracy(model: OCRModel, order_head, pages, grid: int, slots: int) -> float:
-    """Share of occupied reading-order slots the order head reads right (the encoder stage's metric)."""
+def slot_accuracy(model: OCRModel, order_head, pages, grid: int, slots: int, bottleneck=None) -> float:
+    """Share of occupied reading-order slots the order head reads right (the encoder stage's metric),
+    through the bottleneck's codes when there is one."""
     feats = model.encoder.encode_images([p.image for p in pages], model.config["ocr_latent"]["mode"])
+    if bottleneck is not None:
+        feats = bottleneck.decode(bottleneck.encode(feats))
     pred = order_head(feats).reshape(*feats.shape[:2], slots, -1).argmax(-1)
     target = torch.from_numpy(np.stack([order_targets(p, grid, slots) for p in pages]))
     occupied = target != len(CHARSET)
@@ -295,28 +298,37 @@ def train_base(args) -> None:
     train_encoder, train_decoder = stage in ("joint", "encoder"), stage in ("joint", "decoder")
     model.encoder.train(train_encoder), model.decoder.train(train_decoder)
     D = model.decoder.cfg.hidden_size
-    aux_head = torch.nn.Linear(D, len(CHARSET))
-    if "aux.weight" in state:
-        aux_head.load_state_dict({"weight": state["aux.weight"], "bias": state["aux.bias"]})
-    order_head = torch.nn.Linear(D, args.order_slots * (len(CHARSET) + 1))
-    if "order.weight" in state:
-        order_head.load_state_dict({"weight": state["order.weight"], "bias": state["order.bias"]})
+    # the heads of the dense losses are dropped after training; behind a bottleneck they need a hidden
+    # layer (a linear head on 16 dims can only give rank-16 logits for 6 slots x 100 classes)
+    head = lambda n: (torch.nn.Sequential(torch.nn.Linear(D, args.head_hidden), torch.nn.GELU(), torch.nn.Linear(args.head_hidden, n))
+                      if args.head_hidden else torch.nn.Linear(D, n))
+    aux_head, order_head = head(len(CHARSET)), head(args.order_slots * (len(CHARSET) + 1))
+    for name, module in (("aux", aux_head), ("order", order_head)):
+        own = {k.removeprefix(name + "."): v for k, v in state.items() if k.startswith(name + ".")}
+        if own:
+            module.load_state_dict(own)
     use_order = bool(args.order_weight) and train_encoder
     bottleneck = None
-    if args.bottleneck:  # a linear FSQ between the cached features and the decoder, learned with it
-        if stage != "decoder":
-            raise SystemExit("--bottleneck trains with the decoder stage (--stage decoder)")
+    if args.bottleneck:  # a linear FSQ between the features and their readers (decoder, heads), learned with them
+        if stage == "joint":
+            raise SystemExit("--bottleneck trains with --stage encoder or decoder")
         from pipeline import NUM_CODES
         from quantizer import FSQ
         tokens = (MODES[model.config["ocr_latent"]["mode"]][0] // 64) ** 2
         bottleneck = FSQ(D, tokens, [args.levels] * (NUM_CODES // tokens))
+        if "bottleneck.proj_out.weight" not in state and args.init and (Path(args.init) / "train_state.safetensors").exists():
+            # an earlier --bottleneck stage's FSQ carries over to the next stage
+            with safe_open(str(Path(args.init) / "train_state.safetensors"), "pt") as f:
+                state |= {k: f.get_tensor(k) for k in f.keys() if k.startswith("bottleneck.")}
         if "bottleneck.proj_out.weight" in state:
             bottleneck.load_state_dict({k.removeprefix("bottleneck."): v for k, v in state.items() if k.startswith("bottleneck.")})
-    for p in [*model.encoder.parameters(), *model.decoder.parameters()]:
+    for p in [*model.encoder.parameters(), *model.decoder.parameters(), *(bottleneck.parameters() if bottleneck else [])]:
         p.requires_grad_(False)
+    # the bottleneck learns with the decoder only: in the encoder stage the towers learn to fill the codes
+    # the decoder reads (learning it there too, through its pseudo-inverse, diverged after 450 steps)
     params = [*(model.encoder.parameters() if train_encoder else []), *(model.decoder.parameters() if train_decoder else []),
               *(aux_head.parameters() if train_encoder else []), *(order_head.parameters() if use_order else []),
-              *(bottleneck.parameters() if bottleneck else [])]
+              *(bottleneck.parameters() if bottleneck and train_decoder else [])]
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
@@ -364,6 +376,12 @@ def train_base(args) -> None:
                 pages, pixels = prefetch.pop(step).result()
                 prefetch[step + 1] = loader.submit(page_batch, step + 1)
                 feats, texts = model.encoder(pixels), [p.text for p in pages]
+                if bottleneck:  # the heads read the projection, rounded to the codes' levels or not
+                    if "bottleneck.proj_out.weight" not in state and step == meta["step"]:
+                        bottleneck.init_from_pca(feats.detach().float())
+                    with torch.autocast("cpu", enabled=False):
+                        rounded = torch.rand(len(pages), 1, 1) < args.bottleneck_rounded
+                        feats = torch.where(rounded, bottleneck(feats.float()), bottleneck.features_of(bottleneck.proj_in(feats.float())))
             if train_decoder:
                 text = teacher_forced_loss(model, [model.decoder.layout_image(f) for f in feats], texts, args.token_dropout)
                 loss, row["text_loss"] = loss + text, round(text.item(), 4)
@@ -384,7 +402,7 @@ def train_base(args) -> None:
         bar.set_postfix({k: v for k, v in row.items() if k != "step"} | {"lr": f"{lr:.1e}"})
         if step % args.eval_every == 0 or step == args.steps:
             model.encoder.eval(), model.decoder.eval()
-            if bottleneck:  # what the export (bottleneck folded into the projector) reads, without and with the codes
+            if bottleneck and train_decoder:  # what the export (bottleneck folded into the projector) reads, without and with the codes
                 folded = copy.deepcopy(model)
                 fold_bottleneck(folded, bottleneck)
                 row["val_cer"] = round(evaluate(folded, val_pages, mode)["cer"], 4)
@@ -392,7 +410,7 @@ def train_base(args) -> None:
             elif train_decoder:
                 row["val_cer"] = round(evaluate(model, val_pages, mode)["cer"], 4)
             if use_order:
-                row["val_slot_acc"] = round(slot_accuracy(model, order_head, val_pages, grid, args.order_slots), 4)
+                row["val_slot_acc"] = round(slot_accuracy(model, order_head, val_pages, grid, args.order_slots, bottleneck), 4)
             model.encoder.train(train_encoder), model.decoder.train(train_decoder)
             tqdm.write(f"step {step}: {row}  ({time.time() - t0:.0f}s)")
         if step % 10 == 0 or "val_cer" in row or "val_slot_acc" in row:
@@ -400,8 +418,8 @@ def train_base(args) -> None:
         if step % args.save_every == 0 or step == args.steps:
             meta.update(step=step, wall_s=meta.get("wall_s", 0) + time.time() - t0, seed=args.seed, args=vars(args))
             t0 = time.time()
-            extra = {"aux.weight": aux_head.weight, "aux.bias": aux_head.bias,
-                     "order.weight": order_head.weight, "order.bias": order_head.bias}
+            extra = {f"{name}.{k}": v for name, module in (("aux", aux_head), ("order", order_head))
+                     for k, v in module.state_dict().items()}
             if bottleneck:
                 extra.update({f"bottleneck.{k}": v for k, v in bottleneck.state_dict().items()})
             for i, p in enumerate(params):
@@ -640,10 +658,12 @@ def main(argv=None) -> None:
     b.add_argument("--val-pages", type=int, default=32)
     b.add_argument("--save-every", type=int, default=50)
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--bottleneck", action="store_true", help="decoder stage: learn a linear FSQ with the decoder and "
-                   "fold its projection into the projector at export (a base whose features fit the codes)")
+    b.add_argument("--bottleneck", action="store_true", help="encoder/decoder stage: learn a linear FSQ whose codes the "
+                   "heads/decoder read, carried from an --init run that has one; the export folds its projection into "
+                   "the projector (a base whose features fit the codes)")
     b.add_argument("--bottleneck-rounded", type=float, default=0.5, help="share of samples read through the rounded codes")
     b.add_argument("--levels", type=int, default=16)
+    b.add_argument("--head-hidden", type=int, default=0, help="encoder stage: hidden width of the dense-loss heads (0: linear)")
     b.add_argument("--bf16", action="store_true", help="bf16 autocast (CPUs with avx512_bf16/AMX)")
     b.add_argument("--threads", type=int, default=1)
     e = sub.add_parser("export", help="copy a training run's model to a servable directory")

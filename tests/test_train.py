@@ -4,6 +4,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import train
 from checkpoint import CheckpointError, load_model
@@ -131,14 +132,22 @@ def test_staged_base_training_trains_only_its_part_and_resumes(tmp_path):
     assert record["steps"] == 5 and record["test_metrics_uncompressed"]["pages"] == 2
 
 
-def test_bottleneck_decoder_stage_folds_into_the_projector_and_starts_a_quantizer(tmp_path):
-    """`--bottleneck` learns a linear FSQ with the decoder; the export folds its projection into the
-    projector (original layout, rank = code dims per token), and that FSQ gives the exported base
-    the same codes as the run's features, so a quantizer can start from it (--init PATH)."""
-    run, exported = tmp_path / "bn", tmp_path / "nano"
-    train.main(["base", "--stage", "decoder", "--init", str(NANO), "--out", str(run), "--steps", "2", "--batch", "2",
-                "--cache-pages", "4", "--val-pages", "2", "--eval-every", "2", "--threads", "2", "--bottleneck"])
+def test_bottleneck_stages_fold_into_the_projector_and_start_a_quantizer(tmp_path):
+    """`--bottleneck` learns a linear FSQ with the towers (their dense-loss heads read its codes) or
+    with the decoder, and carries over from one stage to the next; the export folds its projection
+    into the projector (original layout, rank = code dims per token), and that FSQ gives the exported
+    base the same codes as the run's features, so a quantizer can start from it (--init PATH)."""
+    enc, run, exported = tmp_path / "enc", tmp_path / "bn", tmp_path / "nano"
+    common = ["--steps", "2", "--batch", "2", "--val-pages", "2", "--eval-every", "2", "--threads", "2", "--bottleneck"]
+    train.main(["base", "--stage", "encoder", "--init", str(NANO), "--out", str(enc), "--order-weight", "1",
+                "--head-hidden", "8", *common])
+    assert "val_slot_acc" in json.loads((enc / "train_meta.json").read_text())["curve"][-1]
+    enc_state = load_file(str(enc / "train_state.safetensors"))
+    assert "aux.0.weight" in enc_state and "order.2.weight" in enc_state  # hidden-layer heads
+    train.main(["base", "--stage", "decoder", "--init", str(enc), "--out", str(run), "--cache-pages", "4", "--lr", "0", *common])
     assert "val_cer_codes" in json.loads((run / "train_meta.json").read_text())["curve"][-1]
+    carried = load_file(str(run / "train_state.safetensors"))
+    torch.testing.assert_close(carried["bottleneck.proj_out.weight"], enc_state["bottleneck.proj_out.weight"])
     train.main(["export", "--run", str(run), "--to", str(exported), "--test-pages", "2", "--manifest", str(tmp_path / "m.json")])
     fsq, _ = FSQ.load(run / "bottleneck.safetensors")
     unfolded, folded = load_model(run), load_model(exported)
