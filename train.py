@@ -220,6 +220,32 @@ def fold_bottleneck(model: OCRModel, fsq) -> None:
     layer.weight.copy_(proj @ layer.weight.float())
 
 
+def code_fsq(model: OCRModel, mode: str, levels: int, hidden: int = 0):
+    """An FSQ with this base's code geometry: one token per 64x64 pixels of the mode's view, NUM_CODES codes."""
+    from pipeline import NUM_CODES
+    from quantizer import FSQ
+    tokens = (MODES[mode][0] // 64) ** 2
+    return FSQ(model.decoder.cfg.hidden_size, tokens, [levels] * (NUM_CODES // tokens), hidden)
+
+
+def saved_bottleneck(run: Path) -> dict[str, torch.Tensor]:
+    """The FSQ state a --bottleneck run saved with its training state (empty for other runs)."""
+    path = Path(run) / "train_state.safetensors"
+    if not path.exists():
+        return {}
+    with safe_open(str(path), "pt") as f:
+        return {k.removeprefix("bottleneck."): f.get_tensor(k) for k in f.keys() if k.startswith("bottleneck.")}
+
+
+def through_bottleneck(fsq, feats: torch.Tensor, rounded_share: float) -> torch.Tensor:
+    """Each sample's features through the bottleneck: rounded to the codes' levels (straight-through)
+    with probability `rounded_share`, else only projected on the span of its codes (in fp32, for the rounding)."""
+    with torch.autocast("cpu", enabled=False):
+        feats = feats.float()
+        rounded = torch.rand(len(feats), 1, 1) < rounded_share
+        return torch.where(rounded, fsq(feats), fsq.features_of(fsq.proj_in(feats)))
+
+
 def curriculum(step: int, every: int) -> PageSpec:
     """Few lines first, then the target task (3-6 lines) from step 3*every on."""
     top = min(6, 3 + step // every) if step >= every else 3
@@ -308,20 +334,17 @@ def train_base(args) -> None:
         if own:
             module.load_state_dict(own)
     use_order = bool(args.order_weight) and train_encoder
-    bottleneck = None
+    bottleneck, bottleneck_needs_pca = None, False
     if args.bottleneck:  # a linear FSQ between the features and their readers (decoder, heads), learned with them
         if stage == "joint":
             raise SystemExit("--bottleneck trains with --stage encoder or decoder")
-        from pipeline import NUM_CODES
-        from quantizer import FSQ
-        tokens = (MODES[model.config["ocr_latent"]["mode"]][0] // 64) ** 2
-        bottleneck = FSQ(D, tokens, [args.levels] * (NUM_CODES // tokens))
-        if "bottleneck.proj_out.weight" not in state and args.init and (Path(args.init) / "train_state.safetensors").exists():
-            # an earlier --bottleneck stage's FSQ carries over to the next stage
-            with safe_open(str(Path(args.init) / "train_state.safetensors"), "pt") as f:
-                state |= {k: f.get_tensor(k) for k in f.keys() if k.startswith("bottleneck.")}
-        if "bottleneck.proj_out.weight" in state:
-            bottleneck.load_state_dict({k.removeprefix("bottleneck."): v for k, v in state.items() if k.startswith("bottleneck.")})
+        bottleneck = code_fsq(model, model.config["ocr_latent"]["mode"], args.levels)
+        # a resumed run's own FSQ, else the one an earlier --bottleneck stage (--init) carries over
+        saved = {k.removeprefix("bottleneck."): v for k, v in state.items() if k.startswith("bottleneck.")} or \
+            (saved_bottleneck(args.init) if args.init else {})
+        if saved:
+            bottleneck.load_state_dict(saved)
+        bottleneck_needs_pca = not saved
     for p in [*model.encoder.parameters(), *model.decoder.parameters(), *(bottleneck.parameters() if bottleneck else [])]:
         p.requires_grad_(False)
     # the bottleneck learns with the decoder only: in the encoder stage the towers learn to fill the codes
@@ -340,8 +363,9 @@ def train_base(args) -> None:
     val_pages = [p for p in PageStream(docs["val"], PageSpec(augment=False), seed=1, length=args.val_pages)]
     if stage == "decoder":
         cached, cached_texts = build_feature_cache(model, docs, args.cache_pages, args.seed, out)
-        if bottleneck and "bottleneck.proj_out.weight" not in state:
+        if bottleneck_needs_pca:
             bottleneck.init_from_pca(cached[:256].float())
+            bottleneck_needs_pca = False
         epoch_order = functools.lru_cache(4)(lambda epoch: torch.randperm(
             len(cached_texts), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist())
     def page_batch(step: int):
@@ -369,19 +393,16 @@ def train_base(args) -> None:
                 idx = [epoch_order(g // n)[g % n] for g in range(step * args.batch, (step + 1) * args.batch)]
                 feats, texts = cached[idx].float(), [cached_texts[i] for i in idx]
                 if bottleneck:  # the decoder learns to read the projection, rounded to the codes' levels or not
-                    with torch.autocast("cpu", enabled=False):  # rounding in fp32
-                        rounded = torch.rand(len(idx), 1, 1) < args.bottleneck_rounded
-                        feats = torch.where(rounded, bottleneck(feats), bottleneck.features_of(bottleneck.proj_in(feats)))
+                    feats = through_bottleneck(bottleneck, feats, args.bottleneck_rounded)
             else:
                 pages, pixels = prefetch.pop(step).result()
                 prefetch[step + 1] = loader.submit(page_batch, step + 1)
                 feats, texts = model.encoder(pixels), [p.text for p in pages]
                 if bottleneck:  # the heads read the projection, rounded to the codes' levels or not
-                    if "bottleneck.proj_out.weight" not in state and step == meta["step"]:
+                    if bottleneck_needs_pca:
                         bottleneck.init_from_pca(feats.detach().float())
-                    with torch.autocast("cpu", enabled=False):
-                        rounded = torch.rand(len(pages), 1, 1) < args.bottleneck_rounded
-                        feats = torch.where(rounded, bottleneck(feats.float()), bottleneck.features_of(bottleneck.proj_in(feats.float())))
+                        bottleneck_needs_pca = False
+                    feats = through_bottleneck(bottleneck, feats, args.bottleneck_rounded)
             if train_decoder:
                 text = teacher_forced_loss(model, [model.decoder.layout_image(f) for f in feats], texts, args.token_dropout)
                 loss, row["text_loss"] = loss + text, round(text.item(), 4)
@@ -402,13 +423,14 @@ def train_base(args) -> None:
         bar.set_postfix({k: v for k, v in row.items() if k != "step"} | {"lr": f"{lr:.1e}"})
         if step % args.eval_every == 0 or step == args.steps:
             model.encoder.eval(), model.decoder.eval()
-            if bottleneck and train_decoder:  # what the export (bottleneck folded into the projector) reads, without and with the codes
-                folded = copy.deepcopy(model)
-                fold_bottleneck(folded, bottleneck)
-                row["val_cer"] = round(evaluate(folded, val_pages, mode)["cer"], 4)
-                row["val_cer_codes"] = round(evaluate(folded, val_pages, mode, quantizer=bottleneck)["cer"], 4)
-            elif train_decoder:
-                row["val_cer"] = round(evaluate(model, val_pages, mode)["cer"], 4)
+            if train_decoder:
+                reader = model
+                if bottleneck:  # what the export (bottleneck folded into the projector) reads, without and with the codes
+                    reader = copy.deepcopy(model)
+                    fold_bottleneck(reader, bottleneck)
+                row["val_cer"] = round(evaluate(reader, val_pages, mode)["cer"], 4)
+                if bottleneck:
+                    row["val_cer_codes"] = round(evaluate(reader, val_pages, mode, quantizer=bottleneck)["cer"], 4)
             if use_order:
                 row["val_slot_acc"] = round(slot_accuracy(model, order_head, val_pages, grid, args.order_slots, bottleneck), 4)
             model.encoder.train(train_encoder), model.decoder.train(train_decoder)
@@ -470,13 +492,9 @@ def export_base(args) -> None:
     run, to = Path(args.run), Path(args.to)
     model = load_model(run)
     meta = json.loads((run / "train_meta.json").read_text())
-    with safe_open(str(run / "train_state.safetensors"), "pt") as f:
-        bottleneck = {k.removeprefix("bottleneck."): f.get_tensor(k) for k in f.keys() if k.startswith("bottleneck.")}
+    bottleneck = saved_bottleneck(run)
     if bottleneck:  # a --bottleneck run: the base emits the bottleneck's projection; its FSQ can start a quantizer
-        from quantizer import FSQ
-        w = bottleneck["proj_out.weight"]
-        tokens = (MODES[model.config["ocr_latent"]["mode"]][0] // 64) ** 2
-        fsq = FSQ(w.shape[0], tokens, [meta["args"]["levels"]] * w.shape[1])
+        fsq = code_fsq(model, model.config["ocr_latent"]["mode"], meta["args"]["levels"])
         fsq.load_state_dict(bottleneck)
         fold_bottleneck(model, fsq)
         fsq.save(run / "bottleneck.safetensors", {"from_run": str(run), "note": "linear FSQ learned with the decoder; "
@@ -533,7 +551,7 @@ def page_batches(args, docs):
 
 
 def train_quantizer(args) -> None:
-    from pipeline import base_fingerprint, NUM_CODES
+    from pipeline import base_fingerprint
     from quantizer import FSQ
     torch.manual_seed(args.seed)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -541,8 +559,7 @@ def train_quantizer(args) -> None:
     for p in [*model.encoder.parameters(), *model.decoder.parameters()]:
         p.requires_grad_(False)
     mode = model.config.get("ocr_latent", {}).get("mode", "base")
-    tokens = (MODES[mode][0] // 64) ** 2
-    fsq = FSQ(model.decoder.cfg.hidden_size, tokens, [args.levels] * (NUM_CODES // tokens), args.hidden).to(args.device)
+    fsq = code_fsq(model, mode, args.levels, args.hidden).to(args.device)
     docs = split_documents(load_corpus())
     batches = page_batches(args, docs)
     prompt = model.config.get("ocr_latent", {}).get("prompt", FREE_PROMPT)
