@@ -88,6 +88,9 @@ class OCRModel:
     decoder: Decoder
     tokens: SpecialTokens
     tokenizer: object | None  # tokenizers.Tokenizer when tokenizer.json is present
+    # the projector weight as the file stores it, kept (fp32, on the CPU) when loading cast it to a
+    # lower precision: a quantizer names its base by these values, whatever dtype serves it
+    stored_projector: torch.Tensor | None = None
 
     @property
     def name(self) -> str:
@@ -154,7 +157,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32, 
     expected = {n: t.shape for n, t in checkpoint_state(encoder, decoder).items()}
     states: dict[str, dict] = {"encoder": {}, "decoder": {}}
     experts: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
-    found, bad_shape = set(), []
+    found, bad_shape, stored_projector = set(), [], None
     for file in shard_files(model_dir):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -166,6 +169,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32, 
                     bad_shape.append(f"{name}: file {tuple(t.shape)} vs config {tuple(expected[name])}")
                     continue
                 part, key = split_key(name)
+                if key == "projector.layers.weight" and t.float().to(dtype).float().ne(t.float()).any():
+                    stored_projector = t.float()
                 t = t.to(device=device, dtype=dtype)
                 if m := EXPERT_KEY.search(key):
                     experts[f"{m[1]}w_{m[3]}"][int(m[2])] = t
@@ -187,7 +192,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32, 
     if (model_dir / "tokenizer.json").exists():
         from tokenizers import Tokenizer
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    return OCRModel(cfg, encoder.eval(), decoder.eval(), SpecialTokens.from_files(model_dir, cfg), tokenizer)
+    return OCRModel(cfg, encoder.eval(), decoder.eval(), SpecialTokens.from_files(model_dir, cfg), tokenizer,
+                    stored_projector)
 
 
 def save_model(model: OCRModel, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> None:

@@ -28,7 +28,12 @@ NUM_CODES, BITS_PER_CODE = ARCHITECTURE["codes"]["num_codes"], ARCHITECTURE["cod
 def base_fingerprint(model: OCRModel) -> str:
     """Identifies a base model's weights cheaply: its config plus the projector it feeds the codes from."""
     h = hashlib.sha256(json.dumps(model.config, sort_keys=True).encode())
-    h.update(model.encoder.projector.layers.weight.detach().float().cpu().numpy().tobytes())
+    weight, stored = model.encoder.projector.layers.weight.detach(), model.stored_projector
+    # loaded at a lower precision than stored (fp32 nano served in bf16): the file's values, unless
+    # the weight has changed since loading
+    if stored is not None and torch.equal(stored.to(weight.device, weight.dtype), weight):
+        weight = stored
+    h.update(weight.float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
 
 

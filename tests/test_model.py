@@ -349,3 +349,26 @@ def test_fsq_with_mlps_starts_as_the_linear_one_and_reloads(tmp_path):
     loaded, meta = FSQ.load(tmp_path / "q.safetensors")
     assert meta["hidden"] == 32 and torch.equal(loaded.encode(data), mlp.encode(data))
     assert torch.equal(loaded.decode(mlp.encode(data)), mlp.decode(mlp.encode(data)))
+
+
+def test_the_embedded_default_serves_in_bf16_and_its_quantizer_still_names_it():
+    """The nano files are fp32; a GPU server loads them in bf16 (its default there). The quantizer
+    names its base by the stored values, so it accepts the bf16 load, and the bf16 model reads."""
+    from pages import PageSpec, PageStream, load_corpus, split_documents
+    from pipeline import base_fingerprint, load_pipeline
+    from train import cer
+    nano = ROOT / "weights" / "nano"
+    signed = json.loads((nano / "quantizer.json").read_text())["base_fingerprint"]
+    pipe = load_pipeline(None, None, "cpu", "bf16")
+    model = pipe.model
+    assert model.encoder.projector.layers.weight.dtype == torch.bfloat16
+    assert base_fingerprint(model) == base_fingerprint(load_model(nano)) == signed
+    stream = PageStream(split_documents(load_corpus())["test"], PageSpec(augment=False), seed=2)
+    pages = [stream[i] for i in range(3)]
+    codes = pipe.encode([p.image for p in pages])
+    seqs = pipe.new_generator(3).generate([pipe.decode_inputs(c, "free") for c in codes], [200] * 3)
+    errors = [cer(pipe.text(s.tokens), p.text) for s, p in zip(seqs, pages)]
+    assert sum(errors) / 3 < 0.35, errors
+    with torch.no_grad():  # a changed projector is another base, whatever was stored
+        model.encoder.projector.layers.weight.add_(0.5)
+    assert base_fingerprint(model) != signed
