@@ -87,8 +87,8 @@ class KVCache(nn.Module):
         if isinstance(slots, slice):
             slots = torch.arange(slots.start, slots.stop, device=k.device)
         rows = slots[:, None].expand(n, T)
-        self.k[layer][rows, :, positions] = k.transpose(1, 2)
-        self.v[layer][rows, :, positions] = v.transpose(1, 2)
+        self.k[layer][rows, :, positions] = k.transpose(1, 2).to(self.k.dtype)  # a bf16 prefill into an fp32 cache
+        self.v[layer][rows, :, positions] = v.transpose(1, 2).to(self.v.dtype)
         return self.k[layer], self.v[layer]
 
 
@@ -248,7 +248,8 @@ class Decoder(nn.Module):
         cache.reserve(T)
         # right padding is safe: causal attention keeps valid positions from seeing it, and each
         # sequence's first decode step overwrites the padded cache entries it would later read
-        embeds = torch.stack([F.pad(x, (0, 0, 0, T - x.shape[0])) for x in inputs])
+        dtype = self.embed_tokens.weight.dtype
+        embeds = torch.stack([F.pad(x.to(dtype), (0, 0, 0, T - x.shape[0])) for x in inputs])
         positions = torch.arange(T, device=embeds.device).expand(len(inputs), T)
         h = self.hidden(embeds, positions, cache, torch.tensor(slots, device=embeds.device))
         return self.lm_head(h[torch.arange(len(inputs)), lengths - 1]).float()
@@ -314,10 +315,17 @@ class Sequence:
 
 class Generator:
     """Continuous greedy batching: sequences are added (prefilled into free cache slots) and dropped
-    between steps; each `step` advances every active sequence by one token."""
+    between steps; each `step` advances every active sequence by one token.
 
-    def __init__(self, decoder: Decoder, slots: int, eos_id: int, rule: RepetitionRule | None):
+    `prefill`: the same decoder at another precision for the prompts (a bf16 copy on a CPU with native
+    bf16 matmuls: prompts are a few hundred tokens of compute-bound GEMMs, where bf16 is ~2x faster,
+    while one-token steps are bound by memory and overhead, where fp32 is faster). It writes the
+    same cache; by default the decoder prefills itself."""
+
+    def __init__(self, decoder: Decoder, slots: int, eos_id: int, rule: RepetitionRule | None,
+                 prefill: Decoder | None = None):
         self.decoder, self.eos_id, self.rule = decoder, eos_id, rule
+        self.prefill_decoder = prefill or decoder
         self.cache = decoder.new_cache(slots)
         self.free = list(range(slots))
         self.active: dict[int, Sequence] = {}  # slot -> sequence
@@ -334,7 +342,7 @@ class Generator:
         # lowest free slots first: running sequences stay a contiguous run as often as possible
         self.free.sort()
         slots, self.free = self.free[:len(inputs)], self.free[len(inputs):]
-        logits = self.decoder.prefill(self.cache, slots, inputs)
+        logits = self.prefill_decoder.prefill(self.cache, slots, inputs)
         seqs = []
         for slot, x, limit, row in zip(slots, inputs, max_tokens, logits):
             seq = Sequence(self._next_id, slot, limit, [])

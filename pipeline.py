@@ -7,6 +7,7 @@ Nothing but the codes and the prompt crosses from encode to decode.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from checkpoint import CheckpointError, OCRModel, load_model, verify_pin
+from checkpoint import DTYPES, CheckpointError, OCRModel, load_model, verify_pin
 from decoder import Generator, RepetitionRule
 from quantizer import FSQ
 
@@ -37,10 +38,26 @@ def base_fingerprint(model: OCRModel) -> str:
     return h.hexdigest()[:16]
 
 
+def native_bf16_cpu() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX); elsewhere bf16 is emulated."""
+    return any(getattr(torch.cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
+def default_prefill_dtype(device: str, dtype: str) -> str:
+    """bf16 prompts for an fp32 model on a CPU with native bf16 (see decoder.Generator); else the model's dtype."""
+    return "bf16" if device == "cpu" and DTYPES[dtype] == torch.float32 and native_bf16_cpu() else dtype
+
+
 class Pipeline:
-    def __init__(self, model: OCRModel, quantizer: FSQ, mode: str, label: str, revision: str):
+    def __init__(self, model: OCRModel, quantizer: FSQ, mode: str, label: str, revision: str,
+                 prefill_dtype: str | None = None):
         self.model, self.quantizer, self.mode = model, quantizer.to(model.encoder.projector.layers.weight.device), mode
         self.label, self.revision = label, revision
+        decoder = model.decoder
+        self.prefill_dtype = DTYPES[prefill_dtype] if prefill_dtype else decoder.lm_head.weight.dtype
+        # a copy of the decoder at the prompt precision, when it differs (its own weights: a 22 MB bf16 copy for nano)
+        self.prefill_decoder = (copy.deepcopy(decoder).to(self.prefill_dtype)
+                                if self.prefill_dtype != decoder.lm_head.weight.dtype else decoder)
         self.device = str(model.encoder.projector.layers.weight.device)
         prompts = ARCHITECTURE["prompts"] if model.tokenizer is not None else {}
         # prompts the model's tokenizer can spell ("markdown" needs <|grounding|> as one token)
@@ -64,7 +81,7 @@ class Pipeline:
         return d.build_inputs(d.layout_image(feats.to(d.lm_head.weight.dtype)), self.prompts[prompt], self.model.tokens.bos)
 
     def new_generator(self, slots: int) -> Generator:
-        return Generator(self.model.decoder, slots, self.model.tokens.eos, self.rule)
+        return Generator(self.model.decoder, slots, self.model.tokens.eos, self.rule, self.prefill_decoder)
 
     def text(self, tokens: list[int]) -> str:
         return self.model.detokenize(tokens)
@@ -88,9 +105,10 @@ def load_quantizer(path: Path, model: OCRModel, model_dir: str | Path = "MODEL_D
 
 
 def load_pipeline(model_dir: str | None = None, quantizer: str | None = None, device: str = "cpu",
-                  dtype: str = "float32") -> Pipeline:
+                  dtype: str = "float32", prefill_dtype: str | None = None) -> Pipeline:
     """MODEL_DIR unset: the embedded nano model (weights/nano). Else an original-layout DeepSeek-OCR
-    directory with the quantizer trained for it (weights/deepseek-ocr/ by default)."""
+    directory with the quantizer trained for it (weights/deepseek-ocr/ by default). Prompts are
+    prefilled at `prefill_dtype` (default: `dtype`)."""
     if model_dir is None:
         model_dir, label = str(ROOT / "weights" / "nano"), "nano"
     else:
@@ -103,4 +121,4 @@ def load_pipeline(model_dir: str | None = None, quantizer: str | None = None, de
     default_quantizer = Path(model_dir) / "quantizer.safetensors" if "ocr_latent" in model.config else ROOT / base["quantizer"]
     fsq, _ = load_quantizer(Path(quantizer or default_quantizer), model, model_dir)
     mode = model.config.get("ocr_latent", {}).get("mode", base["mode"])
-    return Pipeline(model, fsq, mode, label, base["revision"])
+    return Pipeline(model, fsq, mode, label, base["revision"], prefill_dtype)

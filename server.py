@@ -84,6 +84,7 @@ class Settings:
     quantizer: str | None = None  # QUANTIZER: quantizer .safetensors; unset = the base's default
     device: str = "cpu"  # DEVICE
     dtype: str = "float32"  # DTYPE: float32 | bf16 | fp16 (default bf16 when DEVICE is not cpu)
+    prefill_dtype: str | None = None  # PREFILL_DTYPE: the prompts' precision (default: pipeline.default_prefill_dtype)
     torch_threads: int | None = None  # TORCH_THREADS
     encode_batch_window_ms: float = 5.0  # ENCODE_BATCH_WINDOW_MS
     encode_max_batch: int = 8  # ENCODE_MAX_BATCH
@@ -102,10 +103,13 @@ class Settings:
     def from_env(cls) -> "Settings":
         # bf16 on accelerators: DeepSeek-OCR's own serving dtype, and the MoE's grouped-GEMM path
         dtype = _env("DTYPE", "float32" if _env("DEVICE", "cpu") == "cpu" else "bf16").lower()
-        if dtype not in ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16"):
-            raise SystemExit(f"DTYPE={dtype!r}: use float32, bf16 or fp16")
+        prefill_dtype = _env("PREFILL_DTYPE", "").lower() or None
+        for name, value in (("DTYPE", dtype), ("PREFILL_DTYPE", prefill_dtype or "float32")):
+            if value not in ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16"):
+                raise SystemExit(f"{name}={value!r}: use float32, bf16 or fp16")
         return cls(
             model_dir=_env("MODEL_DIR"), quantizer=_env("QUANTIZER"), device=_env("DEVICE", "cpu"), dtype=dtype,
+            prefill_dtype=prefill_dtype,
             torch_threads=_num("TORCH_THREADS", None, int, 1),
             encode_batch_window_ms=_num("ENCODE_BATCH_WINDOW_MS", 5.0, float, 0),
             encode_max_batch=_num("ENCODE_MAX_BATCH", 8, int, 1),
@@ -438,13 +442,14 @@ class Worker:
         if self.s.load_delay_s:
             time.sleep(self.s.load_delay_s)
         t0 = time.monotonic()
-        from pipeline import NUM_CODES as pipeline_codes, load_pipeline
+        from pipeline import NUM_CODES as pipeline_codes, default_prefill_dtype, load_pipeline
         if self.s.device.startswith("cuda") and not torch.cuda.is_available():
             raise StartupError(f"DEVICE={self.s.device} but torch {torch.__version__} sees no CUDA device: install "
                                "a CUDA build of torch==2.13.0 in .venv or use DEVICE=cpu")
         if pipeline_codes != NUM_CODES:
             raise StartupError(f"architecture.json has {pipeline_codes} codes; this server speaks {NUM_CODES}")
-        self.pipeline = load_pipeline(self.s.model_dir, self.s.quantizer, self.s.device, self.s.dtype)
+        prefill_dtype = self.s.prefill_dtype or default_prefill_dtype(self.s.device, self.s.dtype)
+        self.pipeline = load_pipeline(self.s.model_dir, self.s.quantizer, self.s.device, self.s.dtype, prefill_dtype)
         if "free" not in self.pipeline.prompts:
             raise StartupError("the model's tokenizer cannot spell the 'free' prompt")
         self.gen = self.pipeline.new_generator(self.s.decode_slots)
@@ -460,8 +465,9 @@ class Worker:
             self.gen.step()
         self.gen.drop(seq)
         self.pipeline.text(seq.tokens)
-        log.info("model %s (%s) loaded in %.1fs, warmed up in %.1fs on %s; prompts: %s", self.pipeline.label,
-                 self.pipeline.revision, t1 - t0, time.monotonic() - t1, self.pipeline.device,
+        log.info("model %s (%s) loaded in %.1fs, warmed up in %.1fs on %s (%s, prefill %s); prompts: %s",
+                 self.pipeline.label, self.pipeline.revision, t1 - t0, time.monotonic() - t1, self.pipeline.device,
+                 self.pipeline.model.decoder.lm_head.weight.dtype, self.pipeline.prefill_dtype,
                  ", ".join(self.pipeline.prompts))
         self.ready = True
         self.m.ready.set(1)

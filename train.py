@@ -153,10 +153,12 @@ def teacher_forced_logits(model: OCRModel, image_embeds: list[torch.Tensor], tex
 
 
 @torch.inference_mode()
-def read_pages(model: OCRModel, embeds: list[torch.Tensor], max_tokens: int = 256) -> list[str]:
-    """Greedy read-out of image embeddings [N, D] (already laid out) with the default prompt."""
+def read_pages(model: OCRModel, embeds: list[torch.Tensor], max_tokens: int = 256, prefill=None) -> list[str]:
+    """Greedy read-out of image embeddings [N, D] (already laid out) with the default prompt; `prefill`:
+    a copy of the decoder at the prompts' precision, as a pipeline serves it."""
     prompt = model.prompt_ids(model.config["ocr_latent"]["prompt"])
-    gen = Generator(model.decoder, slots=len(embeds), eos_id=model.tokens.eos, rule=RepetitionRule(exempt=frozenset(model.tokens.td)))
+    gen = Generator(model.decoder, slots=len(embeds), eos_id=model.tokens.eos,
+                    rule=RepetitionRule(exempt=frozenset(model.tokens.td)), prefill=prefill)
     inputs = [model.decoder.build_inputs(e, prompt, model.tokens.bos) for e in embeds]
     return [model.detokenize(s.tokens) for s in gen.generate(inputs, [max_tokens] * len(inputs))]
 

@@ -24,7 +24,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pages import PageSpec, PageStream, load_corpus, split_documents  # noqa: E402
-from pipeline import NUM_CODES, BITS_PER_CODE, load_pipeline  # noqa: E402
+from pipeline import NUM_CODES, BITS_PER_CODE, default_prefill_dtype, load_pipeline  # noqa: E402
 from train import cer, read_pages, wer  # noqa: E402
 
 
@@ -60,7 +60,8 @@ def local(pipe, pages, through_codes: bool, batch: int = 16) -> list[str]:
             feats = model.encoder.encode_images(images, pipe.mode)
             if through_codes:  # exactly what /encode then /decode compute
                 feats = pipe.quantizer.decode(pipe.quantizer.encode(feats))
-        hyps += read_pages(model, [model.decoder.layout_image(f.to(model.decoder.lm_head.weight.dtype)) for f in feats], 512)
+        hyps += read_pages(model, [model.decoder.layout_image(f.to(model.decoder.lm_head.weight.dtype)) for f in feats], 512,
+                           pipe.prefill_decoder)
     return hyps
 
 
@@ -75,13 +76,14 @@ def main(argv=None) -> None:
     ap.add_argument("--url", help="also read the pages through a running server")
     ap.add_argument("--worst", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefill-dtype", help="the prompts' precision (default: what the server uses on this CPU)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     pages = test_pages(args)
     refs = [t for _, t in pages]
-    pipe = load_pipeline(args.base, args.quantizer)
+    pipe = load_pipeline(args.base, args.quantizer, prefill_dtype=args.prefill_dtype or default_prefill_dtype("cpu", "float32"))
     chars = np.mean([len(t) for t in refs])
-    print(f"model {pipe.label} ({pipe.model.name}), mode {pipe.mode}, {len(pages)} test pages, "
+    print(f"model {pipe.label} ({pipe.model.name}), mode {pipe.mode}, prompts prefilled in {pipe.prefill_dtype}, {len(pages)} test pages, "
           f"{np.mean([len(t.splitlines()) for t in refs]):.1f} lines / {chars:.0f} characters per page on average")
     print(f"bits per character: {NUM_CODES * BITS_PER_CODE / chars:.1f} ({NUM_CODES} codes x {BITS_PER_CODE} bits / {chars:.0f} characters)")
     settings = [("uncompressed", lambda: local(pipe, pages, False)), ("through codes", lambda: local(pipe, pages, True))]

@@ -372,3 +372,23 @@ def test_the_embedded_default_serves_in_bf16_and_its_quantizer_still_names_it():
     with torch.no_grad():  # a changed projector is another base, whatever was stored
         model.encoder.projector.layers.weight.add_(0.5)
     assert base_fingerprint(model) != signed
+
+
+def test_bf16_prompts_into_the_fp32_cache_read_alike_alone_or_together():
+    """PREFILL_DTYPE=bf16 on an fp32 model: a bf16 copy of the decoder prefills, fp32 steps go on from
+    its keys and values. Each page reads the same alone as among others, and reads its text."""
+    from pages import PageSpec, PageStream, load_corpus, split_documents
+    from pipeline import load_pipeline
+    from train import cer
+    pipe = load_pipeline(None, None, "cpu", "float32", "bf16")
+    assert pipe.prefill_decoder.lm_head.weight.dtype == torch.bfloat16
+    assert pipe.model.decoder.lm_head.weight.dtype == torch.float32
+    stream = PageStream(split_documents(load_corpus())["test"], PageSpec(augment=False), seed=2)
+    pages = [stream[i] for i in range(4)]
+    inputs = [pipe.decode_inputs(c, "free") for c in pipe.encode([p.image for p in pages])]
+    gen = pipe.new_generator(4)
+    assert gen.cache.k.dtype == torch.float32
+    together = [pipe.text(s.tokens) for s in gen.generate(inputs, [200] * 4)]
+    alone = [pipe.text(pipe.new_generator(1).generate([x], [200])[0].tokens) for x in inputs]
+    assert together == alone
+    assert np.mean([cer(t, p.text) for t, p in zip(together, pages)]) < 0.35
