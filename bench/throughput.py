@@ -10,6 +10,7 @@ and reports:
 
     .venv/bin/python bench/throughput.py                    # N=32 pages, embedded nano, CPU
     TORCH_THREADS=1 .venv/bin/python bench/throughput.py --n 32
+    .venv/bin/python bench/throughput.py --n 64 --rounds 3    # levels interleaved 3 times, pooled
     .venv/bin/python bench/throughput.py --url http://host:8000 --n 64   # an already running server
 
 Server configuration comes from the environment as for serve.sh (MODEL_DIR, DEVICE, TORCH_THREADS...).
@@ -100,6 +101,9 @@ def main(argv=None) -> None:
     ap.add_argument("--encode-concurrency", default="1,16")
     ap.add_argument("--seed", type=int, default=2, help="PageStream seed (test split, no augmentation)")
     ap.add_argument("--url", help="benchmark a running server instead of starting one")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat the decode levels in turn (1, 4, 16, 1, 4, 16, ...) and pool them: on a machine whose "
+                         "speed drifts, interleaving keeps the drift out of the ratios")
     args = ap.parse_args(argv)
     dec_levels = [int(x) for x in args.decode_concurrency.split(",")]
     enc_levels = [int(x) for x in args.encode_concurrency.split(",")]
@@ -151,25 +155,30 @@ def main(argv=None) -> None:
 
             codes = codes_by_level[enc_levels[0]]
             decode(codes[0])  # untimed
-            texts = {}
-            for c in dec_levels:
-                before = scrape(client)
-                outs, wall = run(c, decode, codes)
-                after = scrape(client)
-                tokens = after["ocr_latent_decode_tokens_total"] - before["ocr_latent_decode_tokens_total"]
-                steps = after["ocr_latent_decode_batch_size_count"] - before["ocr_latent_decode_batch_size_count"]
-                seq_steps = after["ocr_latent_decode_batch_size_sum"] - before["ocr_latent_decode_batch_size_sum"]
-                texts[c] = outs
-                reasons = {}
-                for o in outs:
-                    reasons[o["finish_reason"]] = reasons.get(o["finish_reason"], 0) + 1
-                result["decode"][c] = {"requests_per_s": args.n / wall, "tokens_per_s": tokens / wall, "wall_s": wall,
-                                       "tokens": int(tokens), "mean_batch": seq_steps / steps if steps else None,
-                                       "finish_reasons": reasons}
-                print(f"decode  concurrency {c:3d}: {args.n / wall:7.2f} requests/s  {tokens / wall:8.1f} tokens/s  "
-                      f"({wall:6.2f} s, {int(tokens)} tokens, mean batch {result['decode'][c]['mean_batch'] or 0:.1f}, "
-                      f"{reasons})", flush=True)
-            result["decode_identical"] = all(v == texts[dec_levels[0]] for v in texts.values())
+            texts, pooled = {}, {c: {"wall": 0.0, "tokens": 0.0, "steps": 0.0, "seq_steps": 0.0, "requests": 0} for c in dec_levels}
+            for r in range(args.rounds):
+                for c in dec_levels:
+                    before = scrape(client)
+                    outs, wall = run(c, decode, codes)
+                    after = scrape(client)
+                    tokens = after["ocr_latent_decode_tokens_total"] - before["ocr_latent_decode_tokens_total"]
+                    p = pooled[c]
+                    p["wall"], p["tokens"], p["requests"] = p["wall"] + wall, p["tokens"] + tokens, p["requests"] + args.n
+                    p["steps"] += after["ocr_latent_decode_batch_size_count"] - before["ocr_latent_decode_batch_size_count"]
+                    p["seq_steps"] += after["ocr_latent_decode_batch_size_sum"] - before["ocr_latent_decode_batch_size_sum"]
+                    reasons = {}
+                    for o in outs:
+                        reasons[o["finish_reason"]] = reasons.get(o["finish_reason"], 0) + 1
+                    if texts.setdefault(c, outs) != outs:
+                        texts[c] = None  # not even the same level agreed with itself
+                    result["decode"][c] = d = {
+                        "requests_per_s": p["requests"] / p["wall"], "tokens_per_s": p["tokens"] / p["wall"],
+                        "wall_s": p["wall"], "tokens": int(p["tokens"]), "rounds": r + 1,
+                        "mean_batch": p["seq_steps"] / p["steps"] if p["steps"] else None, "finish_reasons": reasons}
+                    print(f"decode  concurrency {c:3d}: {args.n / wall:7.2f} requests/s  {tokens / wall:8.1f} tokens/s  "
+                          f"({wall:6.2f} s, {int(tokens)} tokens, mean batch {d['mean_batch'] or 0:.1f}, {reasons})"
+                          + (f"  [round {r + 1}]" if args.rounds > 1 else ""), flush=True)
+            result["decode_identical"] = all(v is not None and v == texts[dec_levels[0]] for v in texts.values())
     finally:
         if proc is not None:
             stop_server(proc)
@@ -178,6 +187,11 @@ def main(argv=None) -> None:
     print()
     if startup_s is not None:
         print(f"startup: {startup_s:.1f} s to healthy")
+    if args.rounds > 1:
+        for c in dec_levels:
+            d = result["decode"][c]
+            print(f"decode  concurrency {c:3d}, {args.rounds} rounds pooled: {d['requests_per_s']:7.2f} requests/s  "
+                  f"{d['tokens_per_s']:8.1f} tokens/s  (mean batch {d['mean_batch'] or 0:.1f})")
     for c in dec_levels[1:]:
         d = result["decode"][c]
         d["speedup_requests"] = d["requests_per_s"] / base_d["requests_per_s"]
