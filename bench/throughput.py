@@ -25,6 +25,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -156,6 +157,7 @@ def main(argv=None) -> None:
             codes = codes_by_level[enc_levels[0]]
             decode(codes[0])  # untimed
             texts, pooled = {}, {c: {"wall": 0.0, "tokens": 0.0, "steps": 0.0, "seq_steps": 0.0, "requests": 0} for c in dec_levels}
+            per_round = {c: [] for c in dec_levels}  # tokens/s of each round
             for r in range(args.rounds):
                 for c in dec_levels:
                     before = scrape(client)
@@ -163,6 +165,7 @@ def main(argv=None) -> None:
                     after = scrape(client)
                     tokens = after["ocr_latent_decode_tokens_total"] - before["ocr_latent_decode_tokens_total"]
                     p = pooled[c]
+                    per_round[c].append(tokens / wall)
                     p["wall"], p["tokens"], p["requests"] = p["wall"] + wall, p["tokens"] + tokens, p["requests"] + args.n
                     p["steps"] += after["ocr_latent_decode_batch_size_count"] - before["ocr_latent_decode_batch_size_count"]
                     p["seq_steps"] += after["ocr_latent_decode_batch_size_sum"] - before["ocr_latent_decode_batch_size_sum"]
@@ -192,6 +195,13 @@ def main(argv=None) -> None:
             d = result["decode"][c]
             print(f"decode  concurrency {c:3d}, {args.rounds} rounds pooled: {d['requests_per_s']:7.2f} requests/s  "
                   f"{d['tokens_per_s']:8.1f} tokens/s  (mean batch {d['mean_batch'] or 0:.1f})")
+        for c in dec_levels[1:]:
+            # each round's ratio against the concurrency-1 run of the same round; the median shrugs off
+            # a round whose sequential run met a slow spell of the machine
+            ratios = sorted(a / b for a, b in zip(per_round[c], per_round[dec_levels[0]]))
+            result["decode"][c]["round_ratios"] = ratios
+            print(f"decode batched/sequential at concurrency {c}, per round: "
+                  + ", ".join(f"{r:.2f}x" for r in ratios) + f"; median {statistics.median(ratios):.2f}x")
     for c in dec_levels[1:]:
         d = result["decode"][c]
         d["speedup_requests"] = d["requests_per_s"] / base_d["requests_per_s"]
