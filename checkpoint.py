@@ -169,7 +169,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.float32, 
                     bad_shape.append(f"{name}: file {tuple(t.shape)} vs config {tuple(expected[name])}")
                     continue
                 part, key = split_key(name)
-                if key == "projector.layers.weight" and t.float().to(dtype).float().ne(t.float()).any():
+                if key == "projector.layers.weight" and not torch.equal(t.to(dtype).to(t.dtype), t):
                     stored_projector = t.float()
                 t = t.to(device=device, dtype=dtype)
                 if m := EXPERT_KEY.search(key):

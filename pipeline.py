@@ -108,7 +108,7 @@ def load_pipeline(model_dir: str | None = None, quantizer: str | None = None, de
                   dtype: str = "float32", prefill_dtype: str | None = None) -> Pipeline:
     """MODEL_DIR unset: the embedded nano model (weights/nano). Else an original-layout DeepSeek-OCR
     directory with the quantizer trained for it (weights/deepseek-ocr/ by default). Prompts are
-    prefilled at `prefill_dtype` (default: `dtype`)."""
+    prefilled at `prefill_dtype` (default: default_prefill_dtype)."""
     if model_dir is None:
         model_dir, label = str(ROOT / "weights" / "nano"), "nano"
     else:
@@ -121,4 +121,4 @@ def load_pipeline(model_dir: str | None = None, quantizer: str | None = None, de
     default_quantizer = Path(model_dir) / "quantizer.safetensors" if "ocr_latent" in model.config else ROOT / base["quantizer"]
     fsq, _ = load_quantizer(Path(quantizer or default_quantizer), model, model_dir)
     mode = model.config.get("ocr_latent", {}).get("mode", base["mode"])
-    return Pipeline(model, fsq, mode, label, base["revision"], prefill_dtype)
+    return Pipeline(model, fsq, mode, label, base["revision"], prefill_dtype or default_prefill_dtype(device, dtype))

@@ -442,14 +442,13 @@ class Worker:
         if self.s.load_delay_s:
             time.sleep(self.s.load_delay_s)
         t0 = time.monotonic()
-        from pipeline import NUM_CODES as pipeline_codes, default_prefill_dtype, load_pipeline
+        from pipeline import NUM_CODES as pipeline_codes, load_pipeline
         if self.s.device.startswith("cuda") and not torch.cuda.is_available():
             raise StartupError(f"DEVICE={self.s.device} but torch {torch.__version__} sees no CUDA device: install "
                                "a CUDA build of torch==2.13.0 in .venv or use DEVICE=cpu")
         if pipeline_codes != NUM_CODES:
             raise StartupError(f"architecture.json has {pipeline_codes} codes; this server speaks {NUM_CODES}")
-        prefill_dtype = self.s.prefill_dtype or default_prefill_dtype(self.s.device, self.s.dtype)
-        self.pipeline = load_pipeline(self.s.model_dir, self.s.quantizer, self.s.device, self.s.dtype, prefill_dtype)
+        self.pipeline = load_pipeline(self.s.model_dir, self.s.quantizer, self.s.device, self.s.dtype, self.s.prefill_dtype)
         if "free" not in self.pipeline.prompts:
             raise StartupError("the model's tokenizer cannot spell the 'free' prompt")
         self.gen = self.pipeline.new_generator(self.s.decode_slots)

@@ -230,6 +230,11 @@ def code_fsq(model: OCRModel, mode: str, levels: int, hidden: int = 0):
     return FSQ(model.decoder.cfg.hidden_size, tokens, [levels] * (NUM_CODES // tokens), hidden)
 
 
+def prefixed(state: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    """The entries of one module (`name.` keys) in a flat training state, without the prefix."""
+    return {k.removeprefix(name + "."): v for k, v in state.items() if k.startswith(name + ".")}
+
+
 def saved_bottleneck(run: Path) -> dict[str, torch.Tensor]:
     """The FSQ state a --bottleneck run saved with its training state (empty for other runs)."""
     path = Path(run) / "train_state.safetensors"
@@ -332,8 +337,7 @@ def train_base(args) -> None:
                       if args.head_hidden else torch.nn.Linear(D, n))
     aux_head, order_head = head(len(CHARSET)), head(args.order_slots * (len(CHARSET) + 1))
     for name, module in (("aux", aux_head), ("order", order_head)):
-        own = {k.removeprefix(name + "."): v for k, v in state.items() if k.startswith(name + ".")}
-        if own:
+        if own := prefixed(state, name):
             module.load_state_dict(own)
     use_order = bool(args.order_weight) and train_encoder
     bottleneck, bottleneck_needs_pca = None, False
@@ -342,8 +346,7 @@ def train_base(args) -> None:
             raise SystemExit("--bottleneck trains with --stage encoder or decoder")
         bottleneck = code_fsq(model, model.config["ocr_latent"]["mode"], args.levels)
         # a resumed run's own FSQ, else the one an earlier --bottleneck stage (--init) carries over
-        saved = {k.removeprefix("bottleneck."): v for k, v in state.items() if k.startswith("bottleneck.")} or \
-            (saved_bottleneck(args.init) if args.init else {})
+        saved = prefixed(state, "bottleneck") or (saved_bottleneck(args.init) if args.init else {})
         if saved:
             bottleneck.load_state_dict(saved)
         bottleneck_needs_pca = not saved

@@ -24,7 +24,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pages import PageSpec, PageStream, load_corpus, split_documents  # noqa: E402
-from pipeline import NUM_CODES, BITS_PER_CODE, default_prefill_dtype, load_pipeline  # noqa: E402
+from pipeline import NUM_CODES, BITS_PER_CODE, load_pipeline  # noqa: E402
 from train import cer, read_pages, wer  # noqa: E402
 
 
@@ -81,7 +81,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     pages = test_pages(args)
     refs = [t for _, t in pages]
-    pipe = load_pipeline(args.base, args.quantizer, prefill_dtype=args.prefill_dtype or default_prefill_dtype("cpu", "float32"))
+    pipe = load_pipeline(args.base, args.quantizer, prefill_dtype=args.prefill_dtype)
     chars = np.mean([len(t) for t in refs])
     print(f"model {pipe.label} ({pipe.model.name}), mode {pipe.mode}, prompts prefilled in {pipe.prefill_dtype}, {len(pages)} test pages, "
           f"{np.mean([len(t.splitlines()) for t in refs]):.1f} lines / {chars:.0f} characters per page on average")
