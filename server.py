@@ -307,6 +307,8 @@ class Metrics:
                                        buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=r)
         self.step_seconds = Histogram("ocr_latent_decode_step_seconds", "seconds per decode step",
                                       buckets=(.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5), registry=r)
+        self.prefill_seconds = Histogram("ocr_latent_prefill_seconds", "seconds per prefill (prompts into the cache)",
+                                         buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 10), registry=r)
         self.active = Gauge("ocr_latent_active_sequences", "sequences in the running decode batch", registry=r)
         self.images = Counter("ocr_latent_encoded_images_total", "images encoded", registry=r)
         self.tokens = Counter("ocr_latent_decode_tokens_total", "tokens generated (EOS included)", registry=r)
@@ -548,11 +550,13 @@ class Worker:
                 self._resolve(j, error=ApiError(500, "internal", f"decoding failed: {type(e).__name__}: {e}"))
         if not ok:
             return
+        t0 = time.perf_counter()
         try:
             seqs = self.gen.add(inputs, [j.payload[2] for j in ok])
         except Exception as e:  # noqa: BLE001
             self._generator_failed(e, ok)
             return
+        self.m.prefill_seconds.observe(time.perf_counter() - t0)
         self.m.prefill_batch.observe(len(ok))
         self.m.count_tokens(len(ok))
         for j, seq in zip(ok, seqs):

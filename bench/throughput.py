@@ -156,7 +156,8 @@ def main(argv=None) -> None:
 
             codes = codes_by_level[enc_levels[0]]
             decode(codes[0])  # untimed
-            texts, pooled = {}, {c: {"wall": 0.0, "tokens": 0.0, "steps": 0.0, "seq_steps": 0.0, "requests": 0} for c in dec_levels}
+            texts, pooled = {}, {c: {"wall": 0.0, "tokens": 0.0, "steps": 0.0, "seq_steps": 0.0, "requests": 0,
+                                           "step_s": 0.0, "prefill_s": 0.0, "prefills": 0.0} for c in dec_levels}
             per_round = {c: [] for c in dec_levels}  # tokens/s of each round
             for r in range(args.rounds):
                 for c in dec_levels:
@@ -169,6 +170,9 @@ def main(argv=None) -> None:
                     p["wall"], p["tokens"], p["requests"] = p["wall"] + wall, p["tokens"] + tokens, p["requests"] + args.n
                     p["steps"] += after["ocr_latent_decode_batch_size_count"] - before["ocr_latent_decode_batch_size_count"]
                     p["seq_steps"] += after["ocr_latent_decode_batch_size_sum"] - before["ocr_latent_decode_batch_size_sum"]
+                    for key, metric in (("step_s", "decode_step_seconds_sum"), ("prefill_s", "prefill_seconds_sum"),
+                                        ("prefills", "prefill_seconds_count")):
+                        p[key] += after.get("ocr_latent_" + metric, 0.0) - before.get("ocr_latent_" + metric, 0.0)
                     reasons = {}
                     for o in outs:
                         reasons[o["finish_reason"]] = reasons.get(o["finish_reason"], 0) + 1
@@ -177,7 +181,12 @@ def main(argv=None) -> None:
                     result["decode"][c] = d = {
                         "requests_per_s": p["requests"] / p["wall"], "tokens_per_s": p["tokens"] / p["wall"],
                         "wall_s": p["wall"], "tokens": int(p["tokens"]), "rounds": r + 1,
-                        "mean_batch": p["seq_steps"] / p["steps"] if p["steps"] else None, "finish_reasons": reasons}
+                        "mean_batch": p["seq_steps"] / p["steps"] if p["steps"] else None, "finish_reasons": reasons,
+                        # where the wall time went: the worker in decode steps, in prefills, and the rest
+                        # (waiting for requests, HTTP, detokenising)
+                        "step_share": p["step_s"] / p["wall"], "prefill_share": p["prefill_s"] / p["wall"],
+                        "mean_step_ms": 1e3 * p["step_s"] / p["steps"] if p["steps"] else None,
+                        "mean_prefill_batch": p["requests"] / p["prefills"] if p["prefills"] else None}
                     print(f"decode  concurrency {c:3d}: {args.n / wall:7.2f} requests/s  {tokens / wall:8.1f} tokens/s  "
                           f"({wall:6.2f} s, {int(tokens)} tokens, mean batch {d['mean_batch'] or 0:.1f}, {reasons})"
                           + (f"  [round {r + 1}]" if args.rounds > 1 else ""), flush=True)
@@ -202,6 +211,11 @@ def main(argv=None) -> None:
             result["decode"][c]["round_ratios"] = ratios
             print(f"decode batched/sequential at concurrency {c}, per round: "
                   + ", ".join(f"{r:.2f}x" for r in ratios) + f"; median {statistics.median(ratios):.2f}x")
+    for c in dec_levels:
+        d = result["decode"][c]
+        print(f"decode  concurrency {c:3d}: wall time in decode steps {d['step_share']:.0%} ({d['mean_step_ms'] or 0:.2f} ms "
+              f"each), in prefills {d['prefill_share']:.0%} ({d['mean_prefill_batch'] or 0:.1f} prompts each), "
+              f"elsewhere {1 - d['step_share'] - d['prefill_share']:.0%}")
     for c in dec_levels[1:]:
         d = result["decode"][c]
         d["speedup_requests"] = d["requests_per_s"] / base_d["requests_per_s"]

@@ -227,7 +227,9 @@ def test_round_trip(client, test_pages):
     wrapped = base64.encodebytes(data).decode()  # `base64` CLI style: newline every 76 chars
     assert client.post("/encode", json={"image": wrapped}).json()["codes"] == codes
 
+    prefills = metric(client, "ocr_latent_prefill_seconds_count")
     by_codes = decode(client, codes, 400)
+    assert metric(client, "ocr_latent_prefill_seconds_count") == prefills + 1  # the worker's time is accounted
     by_b64 = client.post("/decode", json={"codes_b64": enc["codes_b64"], "max_tokens": 400}).json()
     assert by_codes == by_b64
     assert isinstance(by_codes["text"], str) and by_codes["text"].strip()
