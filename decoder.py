@@ -8,7 +8,8 @@ checkpoint.py converts between these and the original per-expert keys.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +91,11 @@ class KVCache(nn.Module):
         self.k[layer][rows, :, positions] = k.transpose(1, 2).to(self.k.dtype)  # a bf16 prefill into an fp32 cache
         self.v[layer][rows, :, positions] = v.transpose(1, 2).to(self.v.dtype)
         return self.k[layer], self.v[layer]
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy slot src's first `length` entries (all layers) into slot dst."""
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
 
 class Attention(nn.Module):
@@ -279,29 +285,57 @@ class RepetitionRule:
     fuzzy_min_distinct: float = 0.35
 
     def banned(self, generated: list[int]) -> set[int]:
-        n = self.ngram
-        if n <= 0 or len(generated) < n:
+        n, t = self.ngram, generated
+        if n <= 0 or len(t) < n:
             return set()
-        prefix = generated[len(generated) - n + 1:]
-        start = max(0, len(generated) - self.window)
-        out = set()
-        for s in range(start, len(generated) - n + 1):
-            if generated[s + n - 2] == prefix[-1] and generated[s:s + n - 1] == prefix:
-                out.add(generated[s + n - 1])
+        prefix, out = t[len(t) - n + 1:], set()
+        # an earlier copy of the last n-1 tokens ends where the last token recurs: list.index finds
+        # those few places in C, and only they are compared as slices
+        for j in occurrences(t, t[-1], max(0, len(t) - self.window) + n - 2, len(t) - 1):
+            if t[j - n + 2:j + 1] == prefix:
+                out.add(t[j + 1])
         return out - self.exempt
 
-    def looping(self, generated: list[int]) -> bool:
-        t, last = generated, generated[-1] if generated else None
-        for p in range(1, min(self.max_period, len(t) // 3) + 1):
+    def looping(self, generated: list[int], grams: Counter | None = None) -> bool:
+        """`grams`: the fuzzy window's n-grams kept by `track` (an O(1) count instead of rebuilding the set)."""
+        t, L = generated, len(generated)
+        # period p needs t[-1 - p] == t[-1]
+        for j in reversed(occurrences(t, t[-1], L - 1 - min(self.max_period, L // 3), L - 1) if t else []):
+            p = L - 1 - j
             span = max(3 * p, self.min_cycle_span)
-            # t[-1] == t[-1-p] is necessary for period p: an int compare skips most list slices
-            if t[-1 - p] == last and span <= len(t) and t[-span:-p] == t[len(t) - span + p:]:
+            if span <= L and t[-span:-p] == t[L - span + p:]:
                 return True
-        if len(t) >= self.fuzzy_window:
-            tail, g = t[-self.fuzzy_window:], self.fuzzy_gram
-            grams = {tuple(tail[i:i + g]) for i in range(len(tail) - g + 1)}
-            return len(grams) < self.fuzzy_min_distinct * (len(tail) - g + 1)
+        if L >= self.fuzzy_window:
+            g, count = self.fuzzy_gram, self.fuzzy_window - self.fuzzy_gram + 1
+            if grams is None:
+                tail = t[-self.fuzzy_window:]
+                grams = {tuple(tail[i:i + g]) for i in range(count)}
+            return len(grams) < self.fuzzy_min_distinct * count
         return False
+
+    def track(self, grams: Counter, generated: list[int]) -> None:
+        """Update `grams` (the fuzzy_gram-grams starting in the last fuzzy_window tokens) for one appended token."""
+        t, g, w = generated, self.fuzzy_gram, self.fuzzy_window
+        if len(t) >= g:
+            grams[tuple(t[-g:])] += 1
+        if len(t) > w:  # the gram that started just before the window leaves it
+            old = tuple(t[-w - 1:-w - 1 + g])
+            grams[old] -= 1
+            if not grams[old]:
+                del grams[old]
+
+
+def occurrences(t: list[int], value: int, start: int, stop: int) -> list[int]:
+    """Indices j in [start, stop) with t[j] == value, ascending."""
+    out, j = [], max(start, 0)
+    while j < stop:
+        try:
+            j = t.index(value, j, stop)
+        except ValueError:
+            break
+        out.append(j)
+        j += 1
+    return out
 
 
 @dataclass
@@ -311,6 +345,7 @@ class Sequence:
     max_tokens: int
     tokens: list[int]
     finish_reason: str | None = None
+    grams: Counter = field(default_factory=Counter)  # RepetitionRule.track's running count
 
 
 class Generator:
@@ -339,7 +374,7 @@ class Generator:
     @torch.inference_mode()
     def add(self, inputs: list[Tensor], max_tokens: list[int]) -> list[Sequence]:
         """Prefill new sequences; their first token is chosen at once (they may finish right away)."""
-        # lowest free slots first: running sequences stay a contiguous run as often as possible
+        # lowest free slots first: with drop's compaction the sequences hold slots 0..n-1
         self.free.sort()
         slots, self.free = self.free[:len(inputs)], self.free[len(inputs):]
         logits = self.prefill_decoder.prefill(self.cache, slots, inputs)
@@ -352,10 +387,22 @@ class Generator:
             seqs.append(seq)
         return seqs
 
+    @torch.inference_mode()
     def drop(self, seq: Sequence) -> None:
-        if self.active.get(seq.slot) is seq:
-            del self.active[seq.slot], self.positions[seq.slot]
-            self.free.append(seq.slot)
+        if self.active.get(seq.slot) is not seq:
+            return
+        hole = seq.slot
+        del self.active[hole], self.positions[hole]
+        last = max(self.active, default=-1)
+        if last > hole:
+            # Keep the sequences in slots 0..n-1: the one in the highest slot moves into the hole
+            # (a copy of its cached prefix, once). Otherwise a step would either run the idle rows
+            # between them or gather the running rows' keys/values in every layer, every step.
+            moved = self.active.pop(last)
+            self.positions[hole] = self.positions.pop(last)
+            self.cache.move(last, hole, self.positions[hole])
+            moved.slot, self.active[hole], hole = hole, moved, last
+        self.free.append(hole)
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -365,8 +412,9 @@ class Generator:
         dev = self.cache.k.device
         lo, hi = running[0].slot, running[-1].slot + 1
         if hi - lo <= 2 * len(running):
-            # Run the whole slot range lo..hi, idle slots included, so that attention reads the cache
-            # in place (gathering the running slots' keys/values costs more than a few wasted rows).
+            # Run the whole slot range lo..hi, idle slots included (finished sequences not dropped yet),
+            # so that attention reads the cache in place (a gather of the running slots' keys/values
+            # costs more than a few wasted rows).
             # An idle row writes its dummy key/value at position 0, which a finished sequence never
             # reads again and a new one's prefill overwrites.
             rows: list[Sequence | None] = [None] * (hi - lo)
@@ -393,9 +441,11 @@ class Generator:
             token = None
         token = int(logits.argmax()) if token is None else token
         seq.tokens.append(token)
+        if self.rule is not None:
+            self.rule.track(seq.grams, seq.tokens)
         if token == self.eos_id:
             seq.finish_reason = "stop"
-        elif self.rule is not None and self.rule.looping(seq.tokens):
+        elif self.rule is not None and self.rule.looping(seq.tokens, seq.grams):
             seq.finish_reason = "repetition"
         elif len(seq.tokens) >= seq.max_tokens:
             seq.finish_reason = "length"

@@ -1,5 +1,6 @@
 """Foundation: loader, parity with the original code, encoder/decoder behaviour, repetition rules, FSQ."""
 import copy
+from collections import Counter
 import json
 import shutil
 
@@ -182,10 +183,14 @@ def test_sequences_join_and_leave_without_disturbing_others(small_modules):
     (sc,) = gen.add([c], [12])
     for _ in range(4):
         gen.step()
-    gen.drop(sb)  # leaves mid-decode; its slot is reused below
+    gen.drop(sb)  # leaves mid-decode from the middle slot: c (the highest) moves into it
+    assert (sa.slot, sc.slot) == (0, 1)
     (sd,) = gen.add([b], [3])
+    assert sd.slot == 2
     while sa.finish_reason is None or sc.finish_reason is None:
         gen.step()
+    gen.drop(sa)  # compaction again, with c's and d's sequences at different lengths
+    assert sorted(gen.active) == [0, 1] and gen.capacity == 1
     assert sa.tokens == ref_a and sc.tokens == ref_c
     assert sa.finish_reason == sc.finish_reason == "length" and len(sd.tokens) == 3
 
@@ -241,6 +246,15 @@ def test_loop_detector_on_constructed_streams():
         block[10 * rng.integers(2)] = 1000 + rng.integers(2)
         near += block
     assert rule.looping(prose[:10] + near)
+    # the generator's running n-gram count (rule.track, one token at a time) decides as the full
+    # recount does at every length, across the fuzzy window's edge
+    for stream in (prose[:300], prose[:10] + near):
+        grams, seen = Counter(), []
+        for token in stream:
+            seen.append(token)
+            rule.track(grams, seen)
+            assert rule.looping(seen, grams) == rule.looping(seen), len(seen)
+    assert rule.looping(seen, grams) and len(grams) < 0.35 * (240 - 8 + 1)
 
 
 # ----------------------------------------------------------------------------- FSQ
