@@ -30,6 +30,7 @@ from tqdm import tqdm
 from checkpoint import OCRModel, SpecialTokens, build_modules, file_sha256, init_weights, load_model, save_model
 from decoder import Generator, RepetitionRule
 from encoder import MODES, make_view, views_to_tensor
+from metrics import cer, wer
 from pages import CHARSET, PageSpec, PageStream, char_targets, load_corpus, sources_manifest, split_documents
 
 ROOT = Path(__file__).resolve().parent
@@ -97,28 +98,14 @@ def save_run(model: OCRModel, out: Path, extra: dict[str, torch.Tensor] | None =
         save_file({k: v.detach().contiguous() for k, v in extra.items()}, str(out / "train_state.safetensors"))
 
 
-# ----------------------------------------------------------------------------- metrics
-def edit_distance(a, b) -> int:
-    prev = list(range(len(b) + 1))
-    for i, x in enumerate(a, 1):
-        cur = [i]
-        for j, y in enumerate(b, 1):
-            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (x != y)))
-        prev = cur
-    return prev[-1]
-
-
-def cer(hyp: str, ref: str) -> float:
-    return edit_distance(hyp, ref) / max(1, len(ref))
-
-
-def wer(hyp: str, ref: str) -> float:
-    return edit_distance(hyp.split(), ref.split()) / max(1, len(ref.split()))
-
-
 # ----------------------------------------------------------------------------- batches
 def pixels_of(pages, mode: str) -> torch.Tensor:
     return views_to_tensor([make_view(p.image, mode) for p in pages])
+
+
+def reading_prompt(model: OCRModel) -> str:
+    """The prompt a model is trained and evaluated with: nano's own, else DeepSeek-OCR's free OCR."""
+    return model.config.get("ocr_latent", {}).get("prompt", FREE_PROMPT)
 
 
 def teacher_forced_loss(model: OCRModel, image_embeds: list[torch.Tensor], texts: list[str],
@@ -134,7 +121,7 @@ def teacher_forced_logits(model: OCRModel, image_embeds: list[torch.Tensor], tex
                           token_dropout: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits [B, T, V] of the decoder reading BOS + image + prompt + text, and the targets [B, T]
     (the next text token, -100 where nothing is scored)."""
-    prompt = model.prompt_ids(model.config["ocr_latent"]["prompt"])
+    prompt = model.prompt_ids(reading_prompt(model))
     inputs, targets = [], []
     for emb, text in zip(image_embeds, texts):
         ids = model.tokenizer.encode(text, add_special_tokens=False).ids + [model.tokens.eos]
@@ -156,7 +143,7 @@ def teacher_forced_logits(model: OCRModel, image_embeds: list[torch.Tensor], tex
 def read_pages(model: OCRModel, embeds: list[torch.Tensor], max_tokens: int = 256, prefill=None) -> list[str]:
     """Greedy read-out of image embeddings [N, D] (already laid out) with the default prompt; `prefill`:
     a copy of the decoder at the prompts' precision, as a pipeline serves it."""
-    prompt = model.prompt_ids(model.config["ocr_latent"]["prompt"])
+    prompt = model.prompt_ids(reading_prompt(model))
     gen = Generator(model.decoder, slots=len(embeds), eos_id=model.tokens.eos,
                     rule=RepetitionRule(exempt=frozenset(model.tokens.td)), prefill=prefill)
     inputs = [model.decoder.build_inputs(e, prompt, model.tokens.bos) for e in embeds]
@@ -534,131 +521,8 @@ def export_base(args) -> None:
     print(f"exported step {meta['step']} to {to}: test CER {val['cer']:.4f} WER {val['wer']:.4f} on {val['pages']} pages")
 
 
-# ----------------------------------------------------------------------------- quantizer training
-def page_batches(args, docs):
-    """(images, texts) batches: rendered pages of the train split, or IMAGE + .txt pairs from --data DIR."""
-    if args.data == "pages":
-        stream = PageStream(docs["train"], PageSpec(), seed=args.seed + 100)
-        step = 0
-        while True:
-            pages = [stream[step * args.batch + i] for i in range(args.batch)]
-            yield [p.image for p in pages], [p.text for p in pages]
-            step += 1
-    from PIL import Image
-    files = sorted(f for f in Path(args.data).iterdir() if f.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff")
-                   and f.with_suffix(".txt").exists())
-    if not files:
-        raise SystemExit(f"--data {args.data}: no image files with a .txt transcript beside them")
-    rng = np.random.default_rng(args.seed)
-    while True:
-        for chunk in np.array_split(rng.permutation(len(files)), max(1, len(files) // args.batch)):
-            yield ([Image.open(files[i]) for i in chunk], [files[i].with_suffix(".txt").read_text().strip() for i in chunk])
-
-
-def train_quantizer(args) -> None:
-    from pipeline import base_fingerprint
-    from quantizer import FSQ
-    torch.manual_seed(args.seed)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    model = load_model(args.base, dtype, args.device)
-    for p in [*model.encoder.parameters(), *model.decoder.parameters()]:
-        p.requires_grad_(False)
-    mode = model.config.get("ocr_latent", {}).get("mode", "base")
-    fsq = code_fsq(model, mode, args.levels, args.hidden).to(args.device)
-    docs = split_documents(load_corpus())
-    batches = page_batches(args, docs)
-    prompt = model.config.get("ocr_latent", {}).get("prompt", FREE_PROMPT)
-    model.config.setdefault("ocr_latent", {"mode": mode, "prompt": prompt})
-
-    def features(images):  # clone: inference-mode tensors cannot be saved for the quantizer's backward
-        return model.encoder.encode_images(images, mode).clone()
-
-    if args.cache_pages and args.data == "pages":
-        # the towers are frozen: encode a fixed set of training pages once (2/3 of a CPU step) and
-        # draw batches from it; the pages are those of a decoder-stage run with the same --seed, whose
-        # cache (same frozen towers) --cache-dir can point at
-        cache_dir = Path(args.cache_dir or Path(args.base) / "quantizer-cache")
-        cached, cached_texts = build_feature_cache(model, docs, args.cache_pages, args.seed, cache_dir)
-        draw = torch.Generator().manual_seed(args.seed)
-
-        def next_batch():
-            idx = torch.randint(len(cached_texts), (args.batch,), generator=draw).tolist()
-            return cached[idx].to(args.device, torch.float32), [cached_texts[i] for i in idx]
-    else:
-        def next_batch():
-            images, texts = next(batches)
-            return features(images), texts
-
-    if args.init == "pca":
-        fsq.init_from_pca(torch.cat([next_batch()[0] for _ in range(args.pca_batches)]))
-    elif args.init != "random":  # an FSQ file (e.g. the bottleneck of a --bottleneck base run); new MLPs start at zero
-        start, _ = FSQ.load(args.init)
-        if start.levels != fsq.levels or start.tokens != fsq.tokens or start.hidden not in (0, fsq.hidden):
-            raise SystemExit(f"--init {args.init}: geometry {start.geometry()} does not match {fsq.geometry()}")
-        missing = fsq.load_state_dict(start.state_dict(), strict=False).missing_keys
-        assert all(k.startswith("mlp_") for k in missing), missing
-    opt = torch.optim.AdamW(fsq.parameters(), lr=args.lr, weight_decay=0.0)
-    if args.grad_ckpt:  # recompute decoder layers in backward: activations of a 3B MoE are large
-        for layer in model.decoder.layers:
-            layer.forward = (lambda f: lambda *a, **k: torch.utils.checkpoint.checkpoint(f, *a, use_reentrant=False, **k))(layer.forward)
-    curve, t0 = [], time.time()
-    peak_mem = 0
-    bar = tqdm(range(args.steps), desc="quantizer", dynamic_ncols=True)
-    for step in bar:
-        if args.decay:  # cosine to 10 % over the run
-            for g in opt.param_groups:
-                g["lr"] = args.lr * cosine_to_tenth(step / args.steps)
-        feats, texts = next_batch()
-        recon = fsq(feats)
-        with torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            logits, target = teacher_forced_logits(model, [model.decoder.layout_image(r.to(dtype)) for r in recon], texts)
-            ce = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
-            if args.distill:  # the frozen model reading the uncompressed features is the teacher
-                with torch.no_grad():
-                    teacher, _ = teacher_forced_logits(model, [model.decoder.layout_image(f.to(dtype)) for f in feats], texts)
-                scored = target != -100
-                kl = F.kl_div(logits[scored].log_softmax(-1), teacher[scored].log_softmax(-1), log_target=True,
-                              reduction="batchmean")
-        mse = F.mse_loss(recon, feats) / feats.var().clamp_min(1e-8)
-        loss = ce + args.recon_weight * mse + (args.distill * kl if args.distill else 0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(fsq.parameters(), 1.0)
-        opt.step()
-        if args.device.startswith("cuda"):
-            peak_mem = max(peak_mem, torch.cuda.max_memory_allocated())
-        row = {"step": step + 1, "ce": round(ce.item(), 4), "rel_mse": round(mse.item(), 4)}
-        if args.distill:
-            row["kl"] = round(kl.item(), 4)
-        bar.set_postfix({k: f"{v:.3f}" for k, v in row.items() if k != "step"})
-        curve.append(row)
-    wall = time.time() - t0
-    out = Path(args.out or Path(args.base) / "quantizer.safetensors")
-    metrics = {}
-    if args.data == "pages" and args.eval_pages:
-        test = list(PageStream(docs["test"], PageSpec(augment=False), seed=2, length=args.eval_pages))
-        plain, coded = evaluate(model, test, mode), evaluate(model, test, mode, quantizer=fsq)
-        metrics = {"test_pages": len(test), "cer_uncompressed": round(plain["cer"], 4), "cer_codes": round(coded["cer"], 4),
-                   "wer_uncompressed": round(plain["wer"], 4), "wer_codes": round(coded["wer"], 4)}
-        print(json.dumps(metrics))
-    record = {"kind": "FSQ quantizer (base frozen)", "base_model": model.name, "base_dir": str(args.base),
-              "base_fingerprint": base_fingerprint(model), "geometry": fsq.geometry(), "steps": args.steps,
-              "wall_s": round(wall, 1), "sec_per_step": round(wall / max(1, args.steps), 3),
-              "peak_gpu_mem_gb": round(peak_mem / 2**30, 2) if peak_mem else None,
-              "hyperparameters": {k: v for k, v in vars(args).items() if k != "cmd"},
-              "data": (data_record(docs, cache_stream_seed(args.seed), PageSpec(), {"train": f"{len(cached_texts)} cached pages, "
-                                                          f"{args.steps * args.batch} draws", "cache": str(cache_dir)})
-                       if args.cache_pages else data_record(docs, args.seed + 100, PageSpec(), {"train": args.steps * args.batch}))
-              if args.data == "pages"
-              else {"dir": args.data}, "curve": curve[::max(1, len(curve) // 100)], "final_metrics": metrics}
-    digest = update_manifest(f"{out.parent.name}/quantizer", record, Path(args.manifest))
-    fsq.cpu().save(out, {"base_model": model.name, "base_fingerprint": record["base_fingerprint"],
-                         "manifest_sha256": digest, "final_metrics": metrics, "mode": mode})
-    print(f"wrote {out} ({wall:.0f}s, {wall / max(1, args.steps):.2f}s/step"
-          + (f", peak GPU memory {peak_mem / 2**30:.1f} GiB" if peak_mem else "") + ")")
-
-
 def main(argv=None) -> None:
+    import quantizer_training  # it builds on this module's losses and evaluation
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("base", help="train the nano base model from scratch (resumable)")
@@ -694,33 +558,12 @@ def main(argv=None) -> None:
     e.add_argument("--test-pages", type=int, default=64)
     e.add_argument("--threads", type=int, default=1)
     e.add_argument("--manifest", default=str(ROOT / "training_manifest.json"))
-    q = sub.add_parser("quantizer", help="train the FSQ quantizer of a frozen base")
-    q.add_argument("--base", default="weights/nano", help="original-layout checkpoint directory")
-    q.add_argument("--out", help="default: BASE/quantizer.safetensors")
-    q.add_argument("--data", default="pages", help="'pages' (rendered) or a directory of images with .txt transcripts")
-    q.add_argument("--steps", type=int, default=400)
-    q.add_argument("--batch", type=int, default=16)
-    q.add_argument("--lr", type=float, default=1e-3)
-    q.add_argument("--levels", type=int, default=16)
-    q.add_argument("--hidden", type=int, default=0, help="width of residual MLPs around the projections (0: linear)")
-    q.add_argument("--cache-pages", type=int, default=0, help="rendered pages: train on features of this many pages, encoded once")
-    q.add_argument("--cache-dir", help="where the feature cache lives (default: BASE/quantizer-cache); a decoder-stage run of the same towers has one")
-    q.add_argument("--decay", action="store_true", help="cosine learning-rate decay to 10%%")
-    q.add_argument("--init", default="pca", help="pca, random, or an FSQ .safetensors to start from (its MLPs, if any, too)")
-    q.add_argument("--pca-batches", type=int, default=4)
-    q.add_argument("--recon-weight", type=float, default=0.1)
-    q.add_argument("--distill", type=float, default=0.0,
-                   help="weight of the KL divergence to the logits of the uncompressed features (one more forward a step)")
-    q.add_argument("--eval-pages", type=int, default=64)
-    q.add_argument("--device", default="cpu")
-    q.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    q.add_argument("--grad-ckpt", action="store_true")
-    q.add_argument("--seed", type=int, default=0)
-    q.add_argument("--threads", type=int, default=1)
+    q = sub.add_parser("quantizer", help="train the quantizer of a frozen base (resumable)")
+    quantizer_training.add_arguments(q)
     q.add_argument("--manifest", default=str(ROOT / "training_manifest.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    {"base": train_base, "export": export_base, "quantizer": train_quantizer}[args.cmd](args)
+    {"base": train_base, "export": export_base, "quantizer": quantizer_training.train_quantizer}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pages import PageSpec, PageStream, load_corpus, split_documents  # noqa: E402
 from pipeline import NUM_CODES, BITS_PER_CODE, load_pipeline  # noqa: E402
-from train import cer, read_pages, wer  # noqa: E402
+from metrics import cer, wer  # noqa: E402
+from train import read_pages  # noqa: E402
 
 
 def test_pages(args) -> list[tuple[Image.Image, str]]:

@@ -370,7 +370,7 @@ def test_the_embedded_default_serves_in_bf16_and_its_quantizer_still_names_it():
     names its base by the stored values, so it accepts the bf16 load, and the bf16 model reads."""
     from pages import PageSpec, PageStream, load_corpus, split_documents
     from pipeline import base_fingerprint, load_pipeline
-    from train import cer
+    from metrics import cer
     nano = ROOT / "weights" / "nano"
     signed = json.loads((nano / "quantizer.json").read_text())["base_fingerprint"]
     pipe = load_pipeline(None, None, "cpu", "bf16")
@@ -393,7 +393,7 @@ def test_bf16_prompts_into_the_fp32_cache_read_alike_alone_or_together():
     its keys and values. Each page reads the same alone as among others, and reads its text."""
     from pages import PageSpec, PageStream, load_corpus, split_documents
     from pipeline import load_pipeline
-    from train import cer
+    from metrics import cer
     pipe = load_pipeline(None, None, "cpu", "float32", "bf16")
     assert pipe.prefill_decoder.lm_head.weight.dtype == torch.bfloat16
     assert pipe.model.decoder.lm_head.weight.dtype == torch.float32

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from pages import PageSpec, PageStream, load_corpus, split_documents  # noqa: E402
 from quantizer import unpack  # noqa: E402
-from train import cer  # noqa: E402
+from metrics import cer  # noqa: E402
 
 NUM_CODES = 4096
 BODY_LIMIT, PIXEL_LIMIT = 1_000_000, 1_000_000

@@ -31,28 +31,29 @@ def page_dir(tmp_path_factory):
 def test_a_few_quantizer_steps_lower_the_loss_and_write_a_loadable_quantizer(tmp_path, page_dir):
     out, manifest = tmp_path / "quantizer.safetensors", tmp_path / "manifest.json"
     train.main(["quantizer", "--base", str(NANO), "--data", str(page_dir), "--steps", "8", "--batch", "4",
-                "--lr", "3e-3", "--eval-pages", "0", "--out", str(out), "--manifest", str(manifest), "--threads", "2"])
+                "--lr", "3e-3", "--warmup", "1", "--eval-pages", "0", "--out", str(out), "--manifest", str(manifest),
+                "--threads", "2"])
     record = json.loads(manifest.read_text())["artifacts"][f"{tmp_path.name}/quantizer"]
     ce = [row["ce"] for row in record["curve"]]
     assert len(ce) == 8 and ce[-1] < ce[0]  # the same 4 pages every step
     assert record["geometry"]["num_codes"] == 4096 and record["base_model"] == "ocr-latent/nano"
-    assert record["data"] == {"dir": str(page_dir)} and record["hyperparameters"]["steps"] == 8
+    assert record["data"] == {"dir": str(page_dir), "pages": 4, "draws": 32} and record["hyperparameters"]["steps"] == 8
     fsq, _ = load_quantizer(out, load_model(NANO))  # fingerprint matches the base it was trained on
     assert fsq.num_codes == 4096
     sidecar = json.loads(out.with_suffix(".json").read_text())
     assert sidecar["manifest_sha256"] and sidecar["levels"] == [16] * (4096 // sidecar["tokens"])
 
 
-def test_quantizer_on_cached_features_with_mlps(tmp_path):
-    """--cache-pages encodes rendered pages once and trains on them; --hidden adds the residual MLPs,
-    recorded in the sidecar so that the server rebuilds the same quantizer; --distill pulls the
-    decoder's reading of the codes towards its reading of the uncompressed features. (A random start:
-    nano's features lie in a 16-dim subspace, so a PCA start already reads almost as well as they do.)"""
+def test_per_token_quantizer_on_cached_features_with_mlps(tmp_path):
+    """--cache-pages encodes rendered pages once and trains on them; --kind token --hidden adds the
+    residual MLPs, recorded in the sidecar so that the server rebuilds the same quantizer; --distill
+    pulls the decoder's reading of the codes towards its reading of the uncompressed features."""
     out, manifest, cache = tmp_path / "quantizer.safetensors", tmp_path / "manifest.json", tmp_path / "cache"
-    train.main(["quantizer", "--base", str(NANO), "--init", "random", "--steps", "12", "--batch", "4", "--lr", "3e-3", "--eval-pages", "0",
-                "--hidden", "32", "--cache-pages", "4", "--cache-dir", str(cache), "--decay", "--distill", "1", "--out", str(out),
+    train.main(["quantizer", "--kind", "token", "--base", str(NANO), "--init", "random", "--steps", "12", "--batch", "4",
+                "--lr", "3e-3", "--warmup", "1", "--eval-pages", "0", "--val-pages", "0", "--hidden", "32", "--cache-pages", "4",
+                "--cache-dir", str(cache), "--decay", "--distill", "1", "--out", str(out),
                 "--manifest", str(manifest), "--threads", "2"])
-    assert len(json.loads((cache / "features.json").read_text())) == 4  # the texts of the cached pages
+    assert len(json.loads((cache / "features-00000.json").read_text())) == 4  # the texts of the cached pages
     curve = json.loads(manifest.read_text())["artifacts"][f"{tmp_path.name}/quantizer"]["curve"]
     for key in ("ce", "kl"):  # batches are drawn from the same 4 pages
         values = [row[key] for row in curve]
@@ -60,9 +61,10 @@ def test_quantizer_on_cached_features_with_mlps(tmp_path):
     fsq, meta = load_quantizer(out, load_model(NANO))
     assert meta["hidden"] == 32 and fsq.mlp_out[2].weight.abs().sum() > 0
     # a cache is reused only for the pages it holds: another count (or seed, or base) encodes again
-    train.main(["quantizer", "--base", str(NANO), "--steps", "1", "--batch", "2", "--eval-pages", "0", "--cache-pages", "3",
-                "--cache-dir", str(cache), "--out", str(tmp_path / "q2.safetensors"), "--manifest", str(manifest)])
-    assert len(json.loads((cache / "features.json").read_text())) == 3
+    train.main(["quantizer", "--base", str(NANO), "--steps", "1", "--batch", "2", "--eval-pages", "0", "--val-pages", "0",
+                "--cache-pages", "3", "--cache-dir", str(cache), "--out", str(tmp_path / "q2.safetensors"),
+                "--manifest", str(manifest)])
+    assert len(json.loads((cache / "features-00000.json").read_text())) == 3
 
 
 def test_a_quantizer_for_another_base_is_refused_with_the_fix(tmp_path):
@@ -158,8 +160,9 @@ def test_bottleneck_stages_fold_into_the_projector_and_start_a_quantizer(tmp_pat
         assert torch.equal(fsq.encode(before), fsq.encode(after))
         assert not torch.allclose(before, after)  # the fold did change the base
     out = tmp_path / "q.safetensors"
-    train.main(["quantizer", "--base", str(exported), "--init", str(run / "bottleneck.safetensors"), "--hidden", "8",
-                "--steps", "1", "--batch", "2", "--lr", "0", "--cache-pages", "2", "--eval-pages", "0", "--out", str(out),
+    train.main(["quantizer", "--kind", "token", "--base", str(exported), "--init", str(run / "bottleneck.safetensors"),
+                "--hidden", "8", "--steps", "1", "--batch", "2", "--lr", "0", "--cache-pages", "2", "--eval-pages", "0",
+                "--val-pages", "0", "--out", str(out),
                 "--manifest", str(tmp_path / "m.json")])
     started, _ = load_quantizer(out, folded)
     torch.testing.assert_close(started.proj_out.weight, fsq.proj_out.weight)

@@ -1,0 +1,103 @@
+"""Frozen-tower features of rendered training pages, encoded once and kept on disk in shards.
+
+A quantizer trained on a frozen base sees the same towers' output for a page on every pass, so the
+towers (2/3 of a CPU training step) run once per page. Shards of `SHARD` pages are written as they
+are made: an interrupted build resumes at the first missing shard, and training can start on the
+shards already there. Each shard names the base (fingerprint), the page stream (seed) and its first
+page, so a cache is never read for towers or pages it was not made from.
+
+  python features.py --base runs/frozen-base --out runs/cache-q --pages 16384 --seed 1000
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from checkpoint import OCRModel, load_model
+from pages import PageSpec, PageStream, load_corpus, split_documents
+
+SHARD = 512
+
+
+def shard_path(out: Path, index: int) -> Path:
+    return out / f"features-{index:05d}.safetensors"
+
+
+def shard_size(pages: int) -> int:
+    """Pages per shard: SHARD, or all of a smaller cache in one."""
+    return min(SHARD, pages)
+
+
+def shard_key(model: OCRModel, seed: int, index: int, size: int) -> dict[str, str]:
+    from pipeline import base_fingerprint
+    return {"base_fingerprint": base_fingerprint(model), "stream_seed": str(seed), "first_page": str(index * size),
+            "pages": str(size)}
+
+
+def shard_is_for(path: Path, key: dict[str, str]) -> bool:
+    if not path.exists() or not path.with_suffix(".json").exists():
+        return False
+    with safe_open(str(path), "pt") as f:
+        made_for = f.metadata() or {}
+    return all(made_for.get(k) == v for k, v in key.items())
+
+
+@torch.inference_mode()
+def build(model: OCRModel, pages: int, seed: int, out: Path, batch: int = 16) -> None:
+    """Encode pages [0, pages) of the train split's stream `seed` (rounded up to whole shards); shards
+    already there for this base and stream are kept."""
+    docs = split_documents(load_corpus())
+    stream = PageStream(docs["train"], PageSpec(), seed=seed)
+    mode = model.config.get("ocr_latent", {}).get("mode", "base")
+    out.mkdir(parents=True, exist_ok=True)
+    size = shard_size(pages)
+    todo = [i for i in range(-(-pages // size)) if not shard_is_for(shard_path(out, i), shard_key(model, seed, i, size))]
+    if not todo:
+        return
+    bar = tqdm(total=len(todo) * size, desc="feature cache", dynamic_ncols=True)
+    for i in todo:
+        feats, texts = [], []
+        for j in range(i * size, (i + 1) * size, batch):
+            chunk = [stream[k] for k in range(j, min(j + batch, (i + 1) * size))]
+            feats.append(model.encoder.encode_images([p.image for p in chunk], mode).to(torch.bfloat16))
+            texts += [p.text for p in chunk]
+            bar.update(len(chunk))
+        path = shard_path(out, i)
+        path.with_suffix(".json").write_text(json.dumps(texts))  # texts first: a shard counts once its tensor is there
+        tmp = path.with_suffix(".tmp")
+        save_file({"features": torch.cat(feats)}, str(tmp), metadata=shard_key(model, seed, i, size))
+        tmp.rename(path)
+    bar.close()
+
+
+def load(model: OCRModel, pages: int, seed: int, out: Path) -> tuple[torch.Tensor, list[str]]:
+    """Features [pages, T, D] (bf16) of the first `pages` pages of stream `seed`, with their texts;
+    the shards that are missing, or were made for other towers or pages, are encoded first."""
+    build(model, pages, seed, out)
+    size, feats, texts = shard_size(pages), [], []
+    for i in range(-(-pages // size)):
+        feats.append(load_file(str(shard_path(out, i)))["features"])
+        texts += json.loads(shard_path(out, i).with_suffix(".json").read_text())
+    return torch.cat(feats)[:pages], texts[:pages]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", required=True, help="original-layout checkpoint directory")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--pages", type=int, default=4096)
+    ap.add_argument("--seed", type=int, default=1000, help="page stream of the train split")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    build(load_model(args.base), args.pages, args.seed, Path(args.out))
+
+
+if __name__ == "__main__":
+    main()
