@@ -19,13 +19,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from architecture import DTYPE_NAMES
 from decoder import Decoder, DecoderConfig, RMSNorm
 from encoder import DeepEncoder, LayerNorm2d, VisionConfig
 
 ENCODER_PREFIXES = ("model.sam_model.", "model.vision_model.", "model.projector.")
 EXPERT_KEY = re.compile(r"(layers\.\d+\.mlp\.)experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {name: getattr(torch, canonical) for name, canonical in DTYPE_NAMES.items()}
 
 
 class CheckpointError(RuntimeError):

@@ -17,13 +17,11 @@ import numpy as np
 import torch
 from PIL import Image
 
+from architecture import ARCHITECTURE, GENERATION, NUM_CODES, PROMPTS, ROOT
 from checkpoint import DTYPES, CheckpointError, OCRModel, load_model, verify_pin
 from decoder import Generator, RepetitionRule
-from quantizer import FSQ
+from quantizer import ScalarCodes
 
-ROOT = Path(__file__).resolve().parent
-ARCHITECTURE = json.loads((ROOT / "architecture.json").read_text())
-NUM_CODES, BITS_PER_CODE = ARCHITECTURE["codes"]["num_codes"], ARCHITECTURE["codes"]["bits_per_code"]
 
 
 def base_fingerprint(model: OCRModel) -> str:
@@ -49,7 +47,7 @@ def default_prefill_dtype(device: str, dtype: str) -> str:
 
 
 class Pipeline:
-    def __init__(self, model: OCRModel, quantizer: FSQ, mode: str, label: str, revision: str,
+    def __init__(self, model: OCRModel, quantizer: ScalarCodes, mode: str, label: str, revision: str,
                  prefill_dtype: str | None = None):
         self.model, self.quantizer, self.mode = model, quantizer.to(model.encoder.projector.layers.weight.device), mode
         self.label, self.revision = label, revision
@@ -59,10 +57,10 @@ class Pipeline:
         self.prefill_decoder = (copy.deepcopy(decoder).to(self.prefill_dtype)
                                 if self.prefill_dtype != decoder.lm_head.weight.dtype else decoder)
         self.device = str(model.encoder.projector.layers.weight.device)
-        prompts = ARCHITECTURE["prompts"] if model.tokenizer is not None else {}
+        prompts = PROMPTS if model.tokenizer is not None else {}
         # prompts the model's tokenizer can spell ("markdown" needs <|grounding|> as one token)
         self.prompts = {k: model.prompt_ids(p) for k, p in prompts.items() if self._spellable(p)}
-        self.rule = RepetitionRule(**ARCHITECTURE["generation"]["repetition"], exempt=frozenset(model.tokens.td))
+        self.rule = RepetitionRule(**GENERATION["repetition"], exempt=frozenset(model.tokens.td))
 
     def _spellable(self, prompt: str) -> bool:
         special = [t for t in ("<|grounding|>",) if t in prompt]
@@ -87,11 +85,11 @@ class Pipeline:
         return self.model.detokenize(tokens)
 
 
-def load_quantizer(path: Path, model: OCRModel, model_dir: str | Path = "MODEL_DIR") -> tuple[FSQ, dict]:
+def load_quantizer(path: Path, model: OCRModel, model_dir: str | Path = "MODEL_DIR") -> tuple[ScalarCodes, dict]:
     if not path.exists():
         raise CheckpointError(f"quantizer {path} not found: train one with `python train.py quantizer --base "
                               f"{model_dir} --out {path}` or point QUANTIZER= at a trained one")
-    fsq, meta = FSQ.load(path)
+    fsq, meta = ScalarCodes.load(path)
     expected = base_fingerprint(model)
     if meta.get("base_fingerprint") != expected:
         raise CheckpointError(f"quantizer {path} was trained for base {meta.get('base_model')!r} "

@@ -27,7 +27,8 @@ import features
 from checkpoint import OCRModel, file_sha256, load_model
 from encoder import MODES
 from pages import PageSpec, PageStream, load_corpus, split_documents
-from pipeline import NUM_CODES, base_fingerprint
+from architecture import NUM_CODES
+from pipeline import base_fingerprint
 from quantizer import CrossTokenFSQ, FSQ, ScalarCodes, code_usage
 from train import (cosine_to_tenth, data_record, evaluate, read_pages, teacher_forced_logits,
                    update_manifest)

@@ -211,7 +211,7 @@ def fold_bottleneck(model: OCRModel, fsq) -> None:
 
 def code_fsq(model: OCRModel, mode: str, levels: int, hidden: int = 0):
     """An FSQ with this base's code geometry: one token per 64x64 pixels of the mode's view, NUM_CODES codes."""
-    from pipeline import NUM_CODES
+    from architecture import NUM_CODES
     from quantizer import FSQ
     tokens = (MODES[mode][0] // 64) ** 2
     return FSQ(model.decoder.cfg.hidden_size, tokens, [levels] * (NUM_CODES // tokens), hidden)

@@ -4,15 +4,18 @@
   python bench/fidelity.py --base DIR --quantizer Q.safetensors --pages-dir DIR   # IMAGE + .txt pairs
   python bench/fidelity.py --url http://127.0.0.1:8000   # the same pages through a running server
 
-Prints one row per setting, bits per character of the page text (16,384 bits / characters), and
-the worst pages. All figures come from this one run.
+Prints what the 2,048 bytes of codes stand against (bits per character of the page text; the bytes
+the text itself needs raw, gzip'd and lzma'd, one page at a time), one row per setting (CER, WER),
+and the worst pages. All figures come from this one run.
 """
 from __future__ import annotations
 
 import argparse
 import base64
+import gzip
 import io
 import json
+import lzma
 import sys
 import time
 import urllib.request
@@ -24,7 +27,8 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pages import PageSpec, PageStream, load_corpus, split_documents  # noqa: E402
-from pipeline import NUM_CODES, BITS_PER_CODE, load_pipeline  # noqa: E402
+from architecture import BITS_PER_CODE, NUM_CODES  # noqa: E402
+from pipeline import load_pipeline  # noqa: E402
 from metrics import cer, wer  # noqa: E402
 from train import read_pages  # noqa: E402
 
@@ -35,6 +39,15 @@ def test_pages(args) -> list[tuple[Image.Image, str]]:
         return [(Image.open(f), f.with_suffix(".txt").read_text().strip()) for f in files[: args.pages]]
     stream = PageStream(split_documents(load_corpus())["test"], PageSpec(augment=args.augment), seed=args.seed)
     return [(p.image, p.text) for p in (stream[i] for i in range(args.pages))]
+
+
+def text_bytes(texts: list[str]) -> dict[str, float]:
+    """Mean bytes per page of the ground-truth text: raw, and compressed on its own by gzip -9 and lzma
+    (raw lzma stream, no container header: the codes carry none either)."""
+    raw = [t.encode() for t in texts]
+    lz = lambda b: lzma.compress(b, format=lzma.FORMAT_RAW, filters=[{"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME}])
+    return {"raw": float(np.mean([len(b) for b in raw])), "gzip": float(np.mean([len(gzip.compress(b, 9, mtime=0)) for b in raw])),
+            "lzma": float(np.mean([len(lz(b)) for b in raw]))}
 
 
 def post(url: str, payload: dict) -> dict:
@@ -86,7 +99,11 @@ def main(argv=None) -> None:
     chars = np.mean([len(t) for t in refs])
     print(f"model {pipe.label} ({pipe.model.name}), mode {pipe.mode}, prompts prefilled in {pipe.prefill_dtype}, {len(pages)} test pages, "
           f"{np.mean([len(t.splitlines()) for t in refs]):.1f} lines / {chars:.0f} characters per page on average")
-    print(f"bits per character: {NUM_CODES * BITS_PER_CODE / chars:.1f} ({NUM_CODES} codes x {BITS_PER_CODE} bits / {chars:.0f} characters)")
+    code_bytes = NUM_CODES * BITS_PER_CODE // 8
+    print(f"bits of code per character: {NUM_CODES * BITS_PER_CODE / chars:.1f} ({NUM_CODES} codes x {BITS_PER_CODE} bits / {chars:.0f} characters)")
+    sizes = text_bytes(refs)
+    print("the page text itself, bytes per page: " + ", ".join(f"{k} {v:.0f}" for k, v in sizes.items())
+          + f"; the codes: {code_bytes} = " + ", ".join(f"{code_bytes / v:.1f}x {k}" for k, v in sizes.items()))
     settings = [("uncompressed", lambda: local(pipe, pages, False)), ("through codes", lambda: local(pipe, pages, True))]
     if args.url:
         settings.append(("server " + args.url, lambda: via_server(args.url.rstrip("/"), pages)))

@@ -1,0 +1,478 @@
+"""The inference engine: one thread that owns the model and batches the work given to it. No HTTP here:
+the HTTP face (server.py), benchmarks and other front-ends submit typed jobs and wait on their futures.
+
+The worker is a dynamic micro-batcher:
+  * encode jobs that arrive within `encode_batch_window_ms` of each other (up to `encode_max_batch`)
+    go through the towers as one batch;
+  * decode jobs join a running `decoder.Generator` (continuous batching, `decode_slots` sequences in
+    one batched KV cache) at the next step boundary and leave it as soon as they finish;
+  * each turn of the loop runs at most one encode batch, admits waiting decodes into free slots (one
+    batched prefill) and runs one decode step, so neither kind starves the other.
+Jobs waiting for the worker (not yet in a batch) form a bounded queue (`max_queue`): submitting to a
+full one raises `Overloaded`. A job not done by its deadline fails with `DeadlineExceeded`; a
+cancelled job is dropped from the queue or the running batch.
+
+Every job carries a `concurrent.futures.Future`, resolved on the worker thread with the result or a
+domain error (`EngineError` subclasses): asyncio callers wrap it (`asyncio.wrap_future`), threads
+call `.result()`.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+from PIL import Image
+
+from architecture import DTYPE_NAMES, MAX_LEVEL, NUM_CODES
+from telemetry import Metrics
+
+log = logging.getLogger("ocr_latent.engine")
+
+
+# ----------------------------------------------------------------------------- errors
+class EngineError(Exception):
+    """A job that could not be done, for a reason a caller can act on."""
+    retry_after_s: float | None = None
+
+    def __init__(self, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.message, self.retry_after_s = message, retry_after_s
+
+
+class Overloaded(EngineError):
+    """The queue is full: retry later."""
+
+
+class Unavailable(EngineError):
+    """Loading, failed to load, or shutting down."""
+
+
+class DeadlineExceeded(EngineError):
+    """The job did not finish before its deadline."""
+
+
+class Cancelled(EngineError):
+    """The job was cancelled by its submitter."""
+
+
+class ModelFailure(EngineError):
+    """The model raised while running a job: a bug, not the caller's fault."""
+
+
+class StartupError(RuntimeError):
+    """A configuration problem found while loading: reported as its message alone."""
+
+
+# ----------------------------------------------------------------------------- configuration
+def _env(name: str, default: str | None = None) -> str | None:
+    value = os.environ.get(name)
+    return default if value is None or value.strip() == "" else value.strip()
+
+
+def _num(name: str, default, kind=int, minimum=None):
+    raw = _env(name)
+    if raw is None:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise SystemExit(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+    if minimum is not None and value < minimum:
+        raise SystemExit(f"{name}={raw!r} must be >= {minimum}")
+    return value
+
+
+@dataclass
+class EngineConfig:
+    """What the engine needs, read from the environment by `from_env` (see README "Configuration")."""
+    model_dir: str | None = None  # MODEL_DIR: original-layout DeepSeek-OCR dir; unset = embedded nano
+    quantizer: str | None = None  # QUANTIZER: quantizer .safetensors; unset = the base's default
+    device: str = "cpu"  # DEVICE
+    dtype: str = "float32"  # DTYPE: float32 | bf16 | fp16 (default bf16 when DEVICE is not cpu)
+    prefill_dtype: str | None = None  # PREFILL_DTYPE: the prompts' precision (default: pipeline.default_prefill_dtype)
+    torch_threads: int | None = None  # TORCH_THREADS
+    encode_batch_window_ms: float = 5.0  # ENCODE_BATCH_WINDOW_MS
+    encode_max_batch: int = 8  # ENCODE_MAX_BATCH
+    decode_slots: int = 16  # DECODE_SLOTS
+    max_queue: int = 64  # MAX_QUEUE: jobs waiting for the worker (not yet batched)
+    request_timeout_s: float = 120.0  # REQUEST_TIMEOUT_S: per-job deadline
+    retry_after_s: int = 1  # RETRY_AFTER_S: advice to a caller refused by a full queue
+    loading_retry_after_s: int = 5  # advice while loading or shutting down
+    load_delay_s: float = 0.0  # OCR_LATENT_TEST_LOAD_DELAY_S: tests only, widens the loading window
+    step_delay_s: float = 0.0  # OCR_LATENT_TEST_STEP_DELAY_S: tests only, a slow model (sleep per decode step)
+    warmup_tokens: int = 4
+
+    @classmethod
+    def from_env(cls) -> "EngineConfig":
+        # bf16 on accelerators: DeepSeek-OCR's own serving dtype, and the MoE's grouped-GEMM path
+        dtype = _env("DTYPE", "float32" if _env("DEVICE", "cpu") == "cpu" else "bf16").lower()
+        prefill_dtype = _env("PREFILL_DTYPE", "").lower() or None
+        for name, value in (("DTYPE", dtype), ("PREFILL_DTYPE", prefill_dtype or "float32")):
+            if value not in DTYPE_NAMES:
+                raise SystemExit(f"{name}={value!r}: use float32, bf16 or fp16")
+        return cls(
+            model_dir=_env("MODEL_DIR"), quantizer=_env("QUANTIZER"), device=_env("DEVICE", "cpu"), dtype=dtype,
+            prefill_dtype=prefill_dtype,
+            torch_threads=_num("TORCH_THREADS", None, int, 1),
+            encode_batch_window_ms=_num("ENCODE_BATCH_WINDOW_MS", 5.0, float, 0),
+            encode_max_batch=_num("ENCODE_MAX_BATCH", 8, int, 1),
+            decode_slots=_num("DECODE_SLOTS", 16, int, 1),
+            max_queue=_num("MAX_QUEUE", 64, int, 1),
+            request_timeout_s=_num("REQUEST_TIMEOUT_S", 120.0, float, 0.001),
+            retry_after_s=_num("RETRY_AFTER_S", 1, int, 0),
+            load_delay_s=_num("OCR_LATENT_TEST_LOAD_DELAY_S", 0.0, float, 0),
+            step_delay_s=_num("OCR_LATENT_TEST_STEP_DELAY_S", 0.0, float, 0),
+        )
+
+
+# ----------------------------------------------------------------------------- jobs
+@dataclass(eq=False, kw_only=True)
+class Job:
+    deadline: float  # time.monotonic()
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    arrived: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+
+
+@dataclass(eq=False, kw_only=True)
+class EncodeJob(Job):
+    """A page image (RGB) -> codes uint8 [NUM_CODES]."""
+    image: Image.Image
+
+
+@dataclass(eq=False, kw_only=True)
+class DecodeJob(Job):
+    """Codes uint8 [NUM_CODES] + a prompt name -> DecodeResult."""
+    codes: np.ndarray
+    prompt: str
+    max_tokens: int
+    seq: object = None  # decoder.Sequence while decoding
+
+
+@dataclass
+class DecodeResult:
+    text: str
+    num_tokens: int  # tokens of the text, EOS not counted
+    finish_reason: str  # stop | length | repetition
+
+
+# ----------------------------------------------------------------------------- the engine
+class Engine:
+    """The one thread that owns the model (see the module docstring). `on_fatal(message)` is called
+    from the worker thread when the model cannot be loaded or the worker dies."""
+
+    def __init__(self, config: EngineConfig, metrics: Metrics | None = None, on_fatal=None):
+        self.s, self.m, self.on_fatal = config, metrics or Metrics(), on_fatal or (lambda message: None)
+        self.cv = threading.Condition()
+        self.encodes: deque[EncodeJob] = deque()
+        self.decodes: deque[DecodeJob] = deque()
+        self.running: list[DecodeJob] = []  # decode jobs whose sequences are in the generator
+        self.pipeline = None
+        self.gen = None
+        self.ready = False
+        self.failed: str | None = None
+        self.stopping = False
+        self.thread = threading.Thread(target=self._main, name="ocr-latent-engine", daemon=True)
+
+    # -- any thread
+    def start(self) -> "Engine":
+        self.thread.start()
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until loaded and warmed up; raises Unavailable when loading failed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.ready:
+            if self.failed:
+                raise Unavailable(f"the model failed to load: {self.failed.splitlines()[0]}")
+            if deadline is not None and time.monotonic() > deadline:
+                raise Unavailable("the model is still loading", self.s.loading_retry_after_s)
+            time.sleep(0.02)
+
+    def encode(self, image: Image.Image, timeout_s: float | None = None) -> EncodeJob:
+        return self.submit(EncodeJob(image=image, deadline=self.deadline(timeout_s)))
+
+    def decode(self, codes: np.ndarray, prompt: str = "free", max_tokens: int = 4096,
+               timeout_s: float | None = None) -> DecodeJob:
+        if prompt not in self.prompts:
+            raise ValueError(f"prompt {prompt!r} is not available for model {self.pipeline.label!r} "
+                             f"(available: {', '.join(self.prompts)})")
+        return self.submit(DecodeJob(codes=codes, prompt=prompt, max_tokens=max_tokens, deadline=self.deadline(timeout_s)))
+
+    @property
+    def prompts(self) -> dict:
+        return self.pipeline.prompts if self.pipeline is not None else {}
+
+    def deadline(self, timeout_s: float | None = None) -> float:
+        return time.monotonic() + (self.s.request_timeout_s if timeout_s is None else timeout_s)
+
+    def submit(self, job: Job) -> Job:
+        """Queue a job; raises Unavailable (not ready, shutting down) or Overloaded (queue full)."""
+        with self.cv:
+            if self.stopping:
+                raise Unavailable("the server is shutting down", self.s.loading_retry_after_s)
+            if not self.ready:
+                if self.failed:
+                    raise Unavailable(f"the model failed to load: {self.failed.splitlines()[0]}")
+                raise Unavailable("the model is still loading", self.s.loading_retry_after_s)
+            # jobs that the next turn of the worker takes (into free decode slots, into the next
+            # encode batch) are not waiting; max_queue bounds the ones behind those
+            is_decode = isinstance(job, DecodeJob)
+            decodes = sum(not j.cancelled for j in self.decodes) + is_decode
+            encodes = len(self.encodes) + (not is_decode)
+            waiting = max(0, decodes - self.gen.capacity) + max(0, encodes - self.s.encode_max_batch)
+            if waiting > self.s.max_queue:
+                raise Overloaded(f"the queue is full ({self.s.max_queue} requests waiting, MAX_QUEUE); retry later",
+                                 self.s.retry_after_s)
+            (self.decodes if is_decode else self.encodes).append(job)
+            self._gauge_queue()
+            self.cv.notify()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """Drop a job (its submitter has gone): from the queue, or from the running batch at the next step."""
+        if not job.future.done():
+            job.cancelled = True
+            with self.cv:
+                self.cv.notify()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self.cv:
+            self.stopping = True
+            self.cv.notify()
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+
+    # -- worker thread
+    def _resolve(self, job: Job, result=None, error: BaseException | None = None) -> None:
+        if job.cancelled or job.future.done():  # its submitter has given up: nobody waits for it
+            return
+        job.future.set_exception(error) if error is not None else job.future.set_result(result)
+
+    def _gauge_queue(self) -> None:
+        self.m.queue_depth.labels("encode").set(len(self.encodes))
+        self.m.queue_depth.labels("decode").set(len(self.decodes))
+
+    def _main(self) -> None:
+        try:
+            self._load()
+        except BaseException as e:  # noqa: BLE001 - any load failure is fatal and must be reported
+            from checkpoint import CheckpointError
+            message = str(e) if isinstance(e, (CheckpointError, FileNotFoundError, StartupError)) else \
+                f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+            self.failed = message
+            log.error("startup failed: %s", message)
+            self.on_fatal(message)
+            return
+        try:
+            self._serve()
+        except BaseException:  # should be unreachable: _serve catches per batch
+            log.critical("worker crashed:\n%s", traceback.format_exc())
+            self.failed = "worker crashed"
+            self.ready = False
+            self.m.ready.set(0)
+            self.on_fatal("worker crashed")
+        finally:
+            self._fail_everything(Unavailable("the server is shutting down", self.s.loading_retry_after_s))
+
+    def _load(self) -> None:
+        import torch
+        if self.s.torch_threads:
+            torch.set_num_threads(self.s.torch_threads)
+        if self.s.load_delay_s:
+            time.sleep(self.s.load_delay_s)
+        t0 = time.monotonic()
+        from pipeline import load_pipeline
+        if self.s.device.startswith("cuda") and not torch.cuda.is_available():
+            raise StartupError(f"DEVICE={self.s.device} but torch {torch.__version__} sees no CUDA device: install "
+                               "a CUDA build of torch==2.13.0 in .venv or use DEVICE=cpu")
+        self.pipeline = load_pipeline(self.s.model_dir, self.s.quantizer, self.s.device, self.s.dtype, self.s.prefill_dtype)
+        if "free" not in self.pipeline.prompts:
+            raise StartupError("the model's tokenizer cannot spell the 'free' prompt")
+        self.gen = self.pipeline.new_generator(self.s.decode_slots)
+        t1 = time.monotonic()
+        # warm-up: one encode and one short decode through the same code path as requests
+        codes = self.pipeline.encode([Image.new("RGB", (64, 64), (255, 255, 255))])
+        if codes.shape != (1, NUM_CODES) or int(codes.max()) > MAX_LEVEL:
+            raise StartupError(f"warm-up encode gave codes of shape {codes.shape} (max {int(codes.max())}); this "
+                               f"service needs {NUM_CODES} codes in 0..{MAX_LEVEL}: check the model's view mode "
+                               "and QUANTIZER")
+        seq = self.gen.add([self.pipeline.decode_inputs(codes[0], "free")], [self.s.warmup_tokens])[0]
+        while seq.finish_reason is None:
+            self.gen.step()
+        self.gen.drop(seq)
+        self.pipeline.text(seq.tokens)
+        log.info("model %s (%s) loaded in %.1fs, warmed up in %.1fs on %s (%s, prefill %s); prompts: %s",
+                 self.pipeline.label, self.pipeline.revision, t1 - t0, time.monotonic() - t1, self.pipeline.device,
+                 self.pipeline.model.decoder.lm_head.weight.dtype, self.pipeline.prefill_dtype,
+                 ", ".join(self.pipeline.prompts))
+        self.ready = True
+        self.m.ready.set(1)
+
+    def _take(self, queue: deque, limit: int) -> list:
+        out = []
+        while queue and len(out) < limit:
+            job = queue.popleft()
+            if job.cancelled:
+                self.m.dropped.labels("cancelled").inc()
+                continue
+            if time.monotonic() > job.deadline:
+                self.m.dropped.labels("timeout").inc()
+                self._resolve(job, error=self.deadline_error())
+                continue
+            out.append(job)
+        return out
+
+    def deadline_error(self) -> DeadlineExceeded:
+        return DeadlineExceeded(f"the request did not finish within {self.s.request_timeout_s:g}s (REQUEST_TIMEOUT_S)")
+
+    def _serve(self) -> None:
+        window = self.s.encode_batch_window_ms / 1000
+        while True:
+            with self.cv:
+                while not (self.stopping or self.encodes or self.decodes or self.running):
+                    self.m.tokens_per_s.set(0)
+                    self.cv.wait()
+                if self.stopping:
+                    return
+                # an idle worker holds a lone encode for the batching window so that concurrent
+                # requests share one forward; with decodes running, a decode step is the window
+                if self.encodes and not self.running and not self.decodes:
+                    until = self.encodes[0].arrived + window
+                    while (not self.stopping and len(self.encodes) < self.s.encode_max_batch
+                           and (left := until - time.monotonic()) > 0):
+                        self.cv.wait(left)
+                encode_batch = self._take(self.encodes, self.s.encode_max_batch)
+                admit = self._take(self.decodes, self.gen.capacity)
+                self._gauge_queue()
+            if encode_batch:
+                self._encode(encode_batch)
+            self._reap()
+            if admit:
+                self._admit(admit)
+            if any(j.seq.finish_reason is None for j in self.running):
+                self._step()
+
+    def _encode(self, jobs: list[EncodeJob]) -> None:
+        now = time.monotonic()
+        for j in jobs:
+            self.m.queue_wait.labels("encode").observe(now - j.arrived)
+        t0 = time.perf_counter()
+        try:
+            codes = self.pipeline.encode([j.image for j in jobs])
+        except Exception:  # noqa: BLE001
+            log.error("encode batch of %d failed; retrying one by one:\n%s", len(jobs), traceback.format_exc())
+            for j in jobs:
+                try:
+                    self._resolve(j, self.pipeline.encode([j.image])[0].copy())
+                except Exception as e:  # noqa: BLE001
+                    log.error("encode failed:\n%s", traceback.format_exc())
+                    self._resolve(j, error=ModelFailure(f"encoding failed: {type(e).__name__}: {e}"))
+            return
+        self.m.encode_seconds.observe(time.perf_counter() - t0)
+        self.m.encode_batch.observe(len(jobs))
+        self.m.images.inc(len(jobs))
+        for j, c in zip(jobs, codes):
+            self._resolve(j, c.copy())
+
+    def _admit(self, jobs: list[DecodeJob]) -> None:
+        now = time.monotonic()
+        inputs, ok = [], []
+        for j in jobs:
+            self.m.queue_wait.labels("decode").observe(now - j.arrived)
+            try:
+                inputs.append(self.pipeline.decode_inputs(j.codes, j.prompt))
+                ok.append(j)
+            except Exception as e:  # noqa: BLE001
+                log.error("decode_inputs failed:\n%s", traceback.format_exc())
+                self._resolve(j, error=ModelFailure(f"decoding failed: {type(e).__name__}: {e}"))
+        if not ok:
+            return
+        t0 = time.perf_counter()
+        try:
+            seqs = self.gen.add(inputs, [j.max_tokens for j in ok])
+        except Exception as e:  # noqa: BLE001
+            self._generator_failed(e, ok)
+            return
+        self.m.prefill_seconds.observe(time.perf_counter() - t0)
+        self.m.prefill_batch.observe(len(ok))
+        self.m.count_tokens(len(ok))
+        for j, seq in zip(ok, seqs):
+            j.seq = seq
+            self.running.append(j)
+        self._finish_done()
+
+    def _step(self) -> None:
+        n = sum(j.seq.finish_reason is None for j in self.running)
+        t0 = time.perf_counter()
+        try:
+            self.gen.step()
+        except Exception as e:  # noqa: BLE001
+            self._generator_failed(e, [])
+            return
+        if self.s.step_delay_s:
+            time.sleep(self.s.step_delay_s)
+        self.m.step_seconds.observe(time.perf_counter() - t0)
+        self.m.decode_batch.observe(n)
+        self.m.count_tokens(n)
+        self._finish_done()
+
+    def _finish_done(self) -> None:
+        still = []
+        for j in self.running:
+            seq = j.seq
+            if seq.finish_reason is None:
+                still.append(j)
+                continue
+            self.gen.drop(seq)
+            try:
+                text = self.pipeline.text(seq.tokens)
+            except Exception as e:  # noqa: BLE001
+                self._resolve(j, error=ModelFailure(f"detokenising failed: {type(e).__name__}: {e}"))
+                continue
+            n = len(seq.tokens) - (1 if seq.finish_reason == "stop" else 0)
+            self.m.finish.labels(seq.finish_reason).inc()
+            self._resolve(j, DecodeResult(text, n, seq.finish_reason))
+        self.running = still
+        self.m.active.set(len(self.running))
+
+    def _reap(self) -> None:
+        """Drop sequences whose submitter cancelled them or whose deadline passed."""
+        if not self.running:
+            return
+        now, still = time.monotonic(), []
+        for j in self.running:
+            if j.cancelled or now > j.deadline:
+                self.gen.drop(j.seq)
+                self.m.dropped.labels("cancelled" if j.cancelled else "timeout").inc()
+                if not j.cancelled:
+                    self._resolve(j, error=self.deadline_error())
+            else:
+                still.append(j)
+        self.running = still
+        self.m.active.set(len(self.running))
+
+    def _generator_failed(self, e: Exception, extra: list[DecodeJob]) -> None:
+        """The generator's state is unknown after an exception: fail its sequences, start a fresh one."""
+        log.error("decode batch failed; restarting the generator:\n%s", traceback.format_exc())
+        err = ModelFailure(f"decoding failed: {type(e).__name__}: {e}")
+        for j in self.running + extra:
+            self._resolve(j, error=err)
+        self.running = []
+        self.m.active.set(0)
+        self.gen = self.pipeline.new_generator(self.s.decode_slots)
+
+    def _fail_everything(self, err: EngineError) -> None:
+        with self.cv:
+            pending = list(self.encodes) + list(self.decodes) + self.running
+            self.encodes.clear(), self.decodes.clear()
+            self.running = []
+        for j in pending:
+            self._resolve(j, error=err)
