@@ -1,0 +1,59 @@
+"""The engine without HTTP: what a Ray deployment, a bench or a client test drives."""
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT
+from engine import DecodeResult, Engine, EngineConfig, Overloaded, Unavailable
+from metrics import cer
+from pages import PageSpec, PageStream, load_corpus, split_documents
+
+
+@pytest.fixture(scope="module")
+def pages():
+    stream = PageStream(split_documents(load_corpus())["test"], PageSpec(augment=False), seed=2)
+    return [stream[i] for i in range(3)]
+
+
+def test_importing_the_engine_pulls_in_no_web_framework():
+    code = "import engine, sys; print(sorted(m for m in ('fastapi', 'starlette', 'uvicorn') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_jobs_submitted_from_threads_read_their_pages(pages):
+    engine = Engine(EngineConfig(torch_threads=1, decode_slots=4)).start()
+    try:
+        with pytest.raises(Unavailable):  # refused, not queued, while loading
+            engine.encode(pages[0].image)
+        engine.wait_ready(60)
+        encodes = [engine.encode(p.image) for p in pages]  # one batch through the towers
+        codes = [j.future.result(60) for j in encodes]
+        assert all(c.shape == (4096,) and c.max() <= 15 for c in codes)
+        decodes = [engine.decode(c, "free", 256) for c in codes]
+        results = [j.future.result(120) for j in decodes]
+        assert all(isinstance(r, DecodeResult) and r.finish_reason == "stop" for r in results)
+        assert sum(cer(r.text, p.text) for r, p in zip(results, pages)) / len(pages) < 0.3
+        with pytest.raises(ValueError, match="not available"):
+            engine.decode(codes[0], "markdown")  # nano's tokenizer has no <|grounding|>
+    finally:
+        engine.stop()
+
+
+def test_a_full_queue_refuses_and_a_cancelled_job_frees_its_slot(pages):
+    engine = Engine(EngineConfig(torch_threads=1, decode_slots=1, max_queue=1, step_delay_s=0.05)).start()
+    try:
+        engine.wait_ready(60)
+        codes = engine.encode(pages[0].image).future.result(60)
+        running = engine.decode(codes, max_tokens=4000)  # takes the one slot for ~200 steps
+        queued = engine.decode(codes, max_tokens=4)
+        with pytest.raises(Overloaded, match="MAX_QUEUE"):
+            engine.decode(codes, max_tokens=4)
+        time.sleep(0.2)
+        engine.cancel(running)
+        assert queued.future.result(30).num_tokens <= 4  # got the slot the cancelled job left
+        assert not running.future.done()  # nobody waits for a cancelled job: it is never resolved
+    finally:
+        engine.stop()
