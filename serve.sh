@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Start the ocr-latent HTTP service in the foreground.
 #
-#   ./serve.sh                                              # embedded nano model, CPU, 0.0.0.0:8000
+#   ./serve.sh                                              # embedded nano model, CPU, 127.0.0.1:8000
+#   HOST=0.0.0.0 ./serve.sh                                 # reachable from other machines
 #   MODEL_DIR=/models/DeepSeek-OCR DEVICE=cuda DTYPE=bf16 ./serve.sh
 #
 # First sets up what is missing (setup.sh: .venv with the versions pinned in pyproject.toml; a no-op
-# once its stamp matches pyproject.toml's hash), then runs server.py (uvicorn) on
-# ${HOST:-0.0.0.0}:${PORT:-8000}. Configuration is by environment variable: see README.md, "Service".
+# once its stamp matches pyproject.toml's hash), then runs `ocr-latent serve` (server.py on uvicorn) on
+# ${HOST:-127.0.0.1}:${PORT:-8000}. Configuration is by environment variable: see README.md, "Configuration".
 #
 # Exit status: 1 when the model cannot be loaded (missing or mismatched quantizer, bad MODEL_DIR, ...;
 # the reason and the fix are printed last), 2 when .venv cannot be set up, 0 after Ctrl-C; SIGTERM
@@ -19,5 +20,5 @@ if ! ./setup.sh; then
   exit 2
 fi
 
-export HOST=${HOST:-0.0.0.0} PORT=${PORT:-8000}
-exec .venv/bin/python server.py
+export HOST=${HOST:-127.0.0.1} PORT=${PORT:-8000}
+exec .venv/bin/ocr-latent serve

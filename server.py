@@ -493,7 +493,7 @@ def main() -> int:
     import uvicorn
     global _fatal_hook
     logging.basicConfig(level=_env("LOG_LEVEL", "info").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    host, port = _env("HOST", "0.0.0.0"), _num("PORT", 8000, int, 0)
+    host, port = _env("HOST", "127.0.0.1"), _num("PORT", 8000, int, 0)
     config = uvicorn.Config(create_app(), host=host, port=port, log_level=_env("LOG_LEVEL", "info").lower(),
                             timeout_graceful_shutdown=10, access_log=_env("ACCESS_LOG", "0") == "1")
     server = uvicorn.Server(config)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Make .venv hold exactly the dependencies pinned in pyproject.toml. A no-op when it already does
+# Make .venv hold exactly the dependencies pinned in pyproject.toml, and this project (editable). A no-op when it already does
 # (a stamp named after pyproject.toml's hash), so serve.sh and test.sh can call it every time.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -13,5 +13,7 @@ print("\n".join(project["dependencies"] + project["optional-dependencies"]["test
 PY
 echo "setup: installing pinned dependencies into .venv (first run only)" >&2
 .venv/bin/python -m pip install --disable-pip-version-check --no-compile -q -r .venv/requirements.txt
+# this project itself, editable: its modules importable from anywhere, and the `ocr-latent` command
+.venv/bin/python -m pip install --disable-pip-version-check --no-compile -q --no-deps -e .
 rm -f .venv/.deps-*
 touch "$stamp"

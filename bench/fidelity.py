@@ -16,7 +16,6 @@ import gzip
 import io
 import json
 import lzma
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -25,12 +24,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pages import PageSpec, PageStream, load_corpus, split_documents  # noqa: E402
-from architecture import BITS_PER_CODE, NUM_CODES  # noqa: E402
-from pipeline import load_pipeline  # noqa: E402
-from metrics import cer, wer  # noqa: E402
-from train import read_pages  # noqa: E402
+from pages import PageSpec, PageStream, load_corpus, split_documents
+from architecture import BITS_PER_CODE, NUM_CODES
+from pipeline import load_pipeline
+from metrics import cer, wer
+from train import read_pages
 
 
 def test_pages(args) -> list[tuple[Image.Image, str]]:
@@ -119,7 +117,7 @@ def main(argv=None) -> None:
     plain, coded = np.mean(results["uncompressed"][1]), np.mean(results["through codes"][1])
     print(f"CER through codes - uncompressed: {100 * (coded - plain):+.2f} points")
     hyps, cers = results["through codes"]
-    print(f"worst pages through the codes:")
+    print("worst pages through the codes:")
     for i in np.argsort(cers)[::-1][: args.worst]:
         print(f"  page {i}: CER {cers[i]:.3f}\n    truth: {refs[i]!r}\n    read:  {hyps[i]!r}")
 

@@ -36,9 +36,8 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from pages import PageSpec, PageStream, load_corpus, split_documents  # noqa: E402
+from pages import PageSpec, PageStream, load_corpus, split_documents
 
 
 def free_port() -> int:

@@ -1,16 +1,12 @@
-import copy
-import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 SHARED = ROOT.parent / "shared"
 
-from checkpoint import build_modules, init_weights  # noqa: E402
+from checkpoint import build_modules, init_weights
 
 
 def needs_shared(*parts: str) -> Path:

@@ -1,14 +1,12 @@
 import dataclasses
 import hashlib
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import pages  # noqa: E402
+import pages
 
 CLEAN = dataclasses.replace(pages.PageSpec(), augment=False)
 

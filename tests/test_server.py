@@ -31,11 +31,10 @@ import pytest
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from pages import PageSpec, PageStream, load_corpus, split_documents  # noqa: E402
-from quantizer import unpack  # noqa: E402
-from metrics import cer  # noqa: E402
+from pages import PageSpec, PageStream, load_corpus, split_documents
+from quantizer import unpack
+from metrics import cer
 
 NUM_CODES = 4096
 BODY_LIMIT, PIXEL_LIMIT = 1_000_000, 1_000_000
