@@ -30,7 +30,7 @@ from pages import PageSpec, PageStream, load_corpus, split_documents
 from architecture import NUM_CODES
 from pipeline import base_fingerprint
 from quantizer import CrossTokenFSQ, FSQ, ScalarCodes, code_usage
-from train import (cosine_to_tenth, data_record, evaluate, read_pages, teacher_forced_logits,
+from train import (code_commit, cosine_to_tenth, data_record, evaluate, read_pages, teacher_forced_logits,
                    update_manifest)
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff")
@@ -201,6 +201,8 @@ def train_quantizer(args) -> None:
     if meta is None:
         initialise(args, q, data)
         meta = {**identity, "step": 0, "wall_s": 0.0, "curve": [], "val_curve": []}
+    meta.setdefault("code_commits", [])
+    meta["code_commits"].append(code_commit())  # the code each (re)start read
     else:
         print(f"resuming {run} at step {meta['step']}")
     val = Validation(model, list(PageStream(docs["val"], PageSpec(augment=False), seed=1, length=args.val_pages))
@@ -270,7 +272,8 @@ def finish(args, model, q, meta, data, docs, mode, frozen: str, out: Path) -> No
               "val_uncompressed_cer": meta.get("val_uncompressed"), "val_curve": meta["val_curve"],
               "code_usage": meta["val_curve"][-1] if meta["val_curve"] else None,
               "curve": meta["curve"][::curve_every], "curve_file": str(Path(args.run) / "run.json"),
-              "final_metrics": metrics}
+              "final_metrics": metrics, "code_commit": meta["code_commits"][0],
+              **({"code_commits": meta["code_commits"]} if len(set(meta["code_commits"])) > 1 else {})}
     q.cpu().save(out, {})
     record["weights_sha256"] = file_sha256(out)
     digest = update_manifest(f"{out.parent.name}/quantizer", record, Path(args.manifest))

@@ -468,7 +468,8 @@ def code_commit() -> str:
 def update_manifest(artifact: str, record: dict, path: Path = ROOT / "training_manifest.json") -> str:
     """Record one trained artifact in training_manifest.json; returns the record's sha256."""
     manifest = json.loads(path.read_text()) if path.exists() else {"artifacts": {}}
-    record = {**record, "code_commit": code_commit(), "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    # a record may name the commit its code was read at (a long run's start); else the code as it is now
+    record = {"code_commit": code_commit(), **record, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     manifest["artifacts"][artifact] = record
     path.write_text(json.dumps(manifest, indent=1) + "\n")
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
