@@ -200,11 +200,10 @@ def train_quantizer(args) -> None:
     meta = resume(run, q, opt, identity)
     if meta is None:
         initialise(args, q, data)
-        meta = {**identity, "step": 0, "wall_s": 0.0, "curve": [], "val_curve": []}
-    meta.setdefault("code_commits", [])
-    meta["code_commits"].append(code_commit())  # the code each (re)start read
+        meta = {**identity, "step": 0, "wall_s": 0.0, "curve": [], "val_curve": [], "code_commits": []}
     else:
         print(f"resuming {run} at step {meta['step']}")
+    meta["code_commits"].append(code_commit())  # the code each (re)start read
     val = Validation(model, list(PageStream(docs["val"], PageSpec(augment=False), seed=1, length=args.val_pages))
                      if args.data == "pages" else [], mode)
     if val.pages and "val_uncompressed" not in meta:
