@@ -30,7 +30,7 @@ from pages import PageSpec, PageStream, load_corpus, split_documents
 from architecture import NUM_CODES
 from pipeline import base_fingerprint
 from quantizer import CrossTokenFSQ, FSQ, ScalarCodes, code_usage
-from train import (code_commit, cosine_to_tenth, data_record, evaluate, read_pages, teacher_forced_logits,
+from train import (code_commit, cosine_to_tenth, curve_file, data_record, evaluate, read_pages, teacher_forced_logits,
                    update_manifest)
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff")
@@ -270,11 +270,13 @@ def finish(args, model, q, meta, data, docs, mode, frozen: str, out: Path) -> No
               "hyperparameters": hyperparameters(args), "data": data.record,
               "val_uncompressed_cer": meta.get("val_uncompressed"), "val_curve": meta["val_curve"],
               "code_usage": meta["val_curve"][-1] if meta["val_curve"] else None,
-              "curve": meta["curve"][::curve_every], "curve_file": str(Path(args.run) / "run.json"),
+              "curve": meta["curve"][::curve_every],
               "final_metrics": metrics, "code_commit": meta["code_commits"][0],
               **({"code_commits": meta["code_commits"]} if len(set(meta["code_commits"])) > 1 else {})}
     q.cpu().save(out, {})
     record["weights_sha256"] = file_sha256(out)
+    record["curve_file"] = curve_file(Path(args.manifest), f"{out.parent.name}-quantizer-{record['weights_sha256'][:12]}",
+                                      {"curve": meta["curve"], "val_curve": meta["val_curve"]})
     digest = update_manifest(f"{out.parent.name}/quantizer", record, Path(args.manifest))
     q.save(out, {"base_model": model.name, "base_fingerprint": record["base_fingerprint"], "manifest_sha256": digest,
                  "final_metrics": metrics, "mode": mode})

@@ -465,14 +465,31 @@ def code_commit() -> str:
         return "unknown"
 
 
+MANIFEST_FORMAT = ("one record per shipped artifact under 'artifacts'; a record that replaced another moves the "
+                   "older one to 'earlier', keyed by its weights_sha256, and later records name it by that hash "
+                   "('initialized_from'); full training curves are files under training_curves/ ('curve_file')")
+
+
 def update_manifest(artifact: str, record: dict, path: Path = ROOT / "training_manifest.json") -> str:
-    """Record one trained artifact in training_manifest.json; returns the record's sha256."""
-    manifest = json.loads(path.read_text()) if path.exists() else {"artifacts": {}}
+    """Record one trained artifact in the manifest (flat: see MANIFEST_FORMAT); returns the record's sha256."""
+    manifest = json.loads(path.read_text()) if path.exists() else {}
+    manifest = {"format": MANIFEST_FORMAT, "artifacts": manifest.get("artifacts", {}), "earlier": manifest.get("earlier", {})}
     # a record may name the commit its code was read at (a long run's start); else the code as it is now
     record = {"code_commit": code_commit(), **record, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    old = manifest["artifacts"].get(artifact)
+    if old and old.get("weights_sha256") and old.get("weights_sha256") != record.get("weights_sha256"):
+        manifest["earlier"][old["weights_sha256"]] = {"artifact": artifact, **old}
     manifest["artifacts"][artifact] = record
     path.write_text(json.dumps(manifest, indent=1) + "\n")
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def curve_file(manifest: Path, name: str, curve: list) -> str:
+    """Write a full training curve beside the manifest; returns its path relative to the manifest's folder."""
+    path = manifest.parent / "training_curves" / f"{name}.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(curve, separators=(",", ":")) + "\n")
+    return str(path.relative_to(manifest.parent))
 
 
 def data_record(docs: dict, seed: int, spec: PageSpec, pages: dict) -> dict:
@@ -515,9 +532,12 @@ def export_base(args) -> None:
                                                                                                "test": args.test_pages}),
               "test_metrics_uncompressed": {"cer": round(val["cer"], 4), "wer": round(val["wer"], 4), "pages": val["pages"]},
               "weights_sha256": file_sha256(to / "model-00001-of-000001.safetensors")}
+    for i, stage in enumerate(stages):
+        stage["curve_file"] = curve_file(manifest_path, f"{to.name}-base-{record['weights_sha256'][:12]}-stage{i + 1}",
+                                         stage.pop("curve"))
     if previous and Path(init).resolve() == to.resolve() and not (Path(init) / "train_meta.json").exists():
-        # the first stage started from an earlier export of this model: keep that model's record
-        record["initialized_from"] = {k: v for k, v in previous.items() if k not in ("config", "data")}
+        # the first stage started from an earlier export of this model (its record moves to "earlier")
+        record["initialized_from"] = previous["weights_sha256"]
     update_manifest(f"{to.name}/base", record, manifest_path)
     print(f"exported step {meta['step']} to {to}: test CER {val['cer']:.4f} WER {val['wer']:.4f} on {val['pages']} pages")
 
