@@ -30,8 +30,10 @@ from pages import PageSpec, PageStream, load_corpus, split_documents
 from architecture import NUM_CODES
 from pipeline import base_fingerprint
 from quantizer import CrossTokenFSQ, FSQ, ScalarCodes, code_usage
-from train import (code_commit, cosine_to_tenth, curve_file, data_record, evaluate, read_pages, teacher_forced_logits,
-                   update_manifest)
+from evaluation import evaluate, read_pages
+from losses import teacher_forced_logits
+from manifest import code_commit, curve_file, data_record, update_manifest
+from train import cosine_to_tenth
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff")
 

@@ -28,7 +28,7 @@ from pages import PageSpec, PageStream, load_corpus, split_documents
 from architecture import BITS_PER_CODE, NUM_CODES
 from pipeline import load_pipeline
 from metrics import cer, wer
-from train import read_pages
+from evaluation import read_pages
 
 
 def test_pages(args) -> list[tuple[Image.Image, str]]:

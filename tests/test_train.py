@@ -123,7 +123,7 @@ def test_staged_base_training_trains_only_its_part_and_resumes(tmp_path):
     enc2, dec2 = params(load_model(dec_run))
     assert not changed(params(load_model(enc_run))[0], enc2) and changed(dec, dec2)
     meta = json.loads((dec_run / "train_meta.json").read_text())
-    assert meta["step"] == 2 and "val_cer" in meta["curve"][-1] and (dec_run / "features.safetensors").exists()
+    assert meta["step"] == 2 and "val_cer" in meta["curve"][-1] and (dec_run / "features" / "features-00000.safetensors").exists()
 
     # the export serves the last stage's weights and its manifest record names every stage
     manifest, exported = tmp_path / "manifest.json", tmp_path / "nano"

@@ -1,0 +1,55 @@
+"""Greedy reading of pages by a model, uncompressed or through a quantizer's codes, scored by CER/WER."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from checkpoint import OCRModel
+from decoder import Generator, RepetitionRule
+from encoder import make_view, views_to_tensor
+from losses import order_targets, reading_prompt
+from metrics import cer, wer
+from pages import CHARSET
+
+
+def pixels_of(pages, mode: str) -> torch.Tensor:
+    return views_to_tensor([make_view(p.image, mode) for p in pages])
+
+
+@torch.inference_mode()
+def read_pages(model: OCRModel, embeds: list[torch.Tensor], max_tokens: int = 256, prefill=None) -> list[str]:
+    """Greedy read-out of image embeddings [N, D] (already laid out) with the default prompt; `prefill`:
+    a copy of the decoder at the prompts' precision, as a pipeline serves it."""
+    prompt = model.prompt_ids(reading_prompt(model))
+    gen = Generator(model.decoder, slots=len(embeds), eos_id=model.tokens.eos,
+                    rule=RepetitionRule(exempt=frozenset(model.tokens.td)), prefill=prefill)
+    inputs = [model.decoder.build_inputs(e, prompt, model.tokens.bos) for e in embeds]
+    return [model.detokenize(s.tokens) for s in gen.generate(inputs, [max_tokens] * len(inputs))]
+
+
+def evaluate(model: OCRModel, pages, mode: str, batch: int = 16, quantizer=None) -> dict:
+    """CER/WER of greedy reading, uncompressed or through the quantizer's codes."""
+    hyps = []
+    for i in range(0, len(pages), batch):
+        chunk = pages[i:i + batch]
+        feats = model.encoder.encode_images([p.image for p in chunk], mode)
+        with torch.inference_mode():
+            if quantizer is not None:
+                feats = quantizer.decode(quantizer.encode(feats))
+        hyps += read_pages(model, [model.decoder.layout_image(f) for f in feats])
+    cers = [cer(h, p.text) for h, p in zip(hyps, pages)]
+    return {"cer": float(np.mean(cers)), "wer": float(np.mean([wer(h, p.text) for h, p in zip(hyps, pages)])),
+            "pages": len(pages), "hyps": hyps, "cers": cers}
+
+
+@torch.no_grad()
+def slot_accuracy(model: OCRModel, order_head, pages, grid: int, slots: int, bottleneck=None) -> float:
+    """Share of occupied reading-order slots the order head reads right (the encoder stage's metric),
+    through the bottleneck's codes when there is one."""
+    feats = model.encoder.encode_images([p.image for p in pages], model.config["ocr_latent"]["mode"])
+    if bottleneck is not None:
+        feats = bottleneck.decode(bottleneck.encode(feats))
+    pred = order_head(feats).reshape(*feats.shape[:2], slots, -1).argmax(-1)
+    target = torch.from_numpy(np.stack([order_targets(p, grid, slots) for p in pages]))
+    occupied = target != len(CHARSET)
+    return float((pred == target)[occupied].float().mean())

@@ -1,0 +1,63 @@
+"""Training losses of a reader: the decoder's teacher-forced cross-entropy of the page text given the
+image embeddings, and the targets of the towers' dense per-token losses."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from checkpoint import OCRModel
+from nano import FREE_PROMPT
+from pages import CHARSET
+
+
+def reading_prompt(model: OCRModel) -> str:
+    """The prompt a model is trained and evaluated with: nano's own, else DeepSeek-OCR's free OCR."""
+    return model.config.get("ocr_latent", {}).get("prompt", FREE_PROMPT)
+
+
+def teacher_forced_loss(model: OCRModel, image_embeds: list[torch.Tensor], texts: list[str],
+                        token_dropout: float = 0.0) -> torch.Tensor:
+    """Mean cross-entropy of the page text (and EOS) given BOS + image + prompt, as the decoder reads it.
+    token_dropout replaces that share of the *input* text tokens by the pad token: a decoder that
+    cannot lean on its own language model has to read the image (against posterior collapse)."""
+    logits, target = teacher_forced_logits(model, image_embeds, texts, token_dropout)
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
+
+
+def teacher_forced_logits(model: OCRModel, image_embeds: list[torch.Tensor], texts: list[str],
+                          token_dropout: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [B, T, V] of the decoder reading BOS + image + prompt + text, and the targets [B, T]
+    (the next text token, -100 where nothing is scored)."""
+    prompt = model.prompt_ids(reading_prompt(model))
+    inputs, targets = [], []
+    for emb, text in zip(image_embeds, texts):
+        ids = model.tokenizer.encode(text, add_special_tokens=False).ids + [model.tokens.eos]
+        given = ids[:-1]
+        if token_dropout:
+            keep = torch.rand(len(given)) >= token_dropout
+            given = [t if k else model.tokens.pad for t, k in zip(given, keep.tolist())]
+        x = model.decoder.build_inputs(emb, prompt + given, model.tokens.bos)
+        inputs.append(x)
+        # position p predicts token p+1; only the text positions are scored
+        targets.append(torch.tensor([-100] * (x.shape[0] - len(ids)) + ids))
+    T = max(x.shape[0] for x in inputs)
+    embeds = torch.stack([F.pad(x, (0, 0, 0, T - x.shape[0])) for x in inputs])
+    target = torch.stack([F.pad(t, (0, T - t.shape[0]), value=-100) for t in targets])
+    return model.decoder(embeds), target
+
+
+def order_targets(page, grid: int, slots: int = 6) -> np.ndarray:
+    """[grid*grid, slots] class ids: the characters whose centre lies in each cell, in reading
+    order (the renderer lists boxes line by line, left to right); len(CHARSET) marks an empty slot.
+    Unlike char_targets it tells each vision token what it shows *in order*."""
+    index = {ch: k for k, ch in enumerate(CHARSET)}
+    out = np.full((grid * grid, slots), len(CHARSET), dtype=np.int64)
+    fill = np.zeros(grid * grid, dtype=np.int64)
+    w, h = page.image.size
+    for ch, x0, y0, x1, y1 in page.char_boxes:
+        cell = min(grid - 1, int((y0 + y1) / 2 * grid / h)) * grid + min(grid - 1, int((x0 + x1) / 2 * grid / w))
+        if ch in index and fill[cell] < slots:
+            out[cell, fill[cell]] = index[ch]
+            fill[cell] += 1
+    return out

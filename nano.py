@@ -1,0 +1,78 @@
+"""The nano model: DeepSeek-OCR's architecture at small widths (same code path: SAM -> CLIP ->
+projector -> MoE decoder) with a character-level tokenizer, reading the rendered pages of pages.py.
+Its files are the original checkpoint layout (checkpoint.save_model) plus its tokenizer."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from checkpoint import OCRModel, SpecialTokens, build_modules, init_weights, save_model
+from pages import CHARSET
+
+
+SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<image>"]
+
+
+FREE_PROMPT = "<image>\nFree OCR."
+
+
+def nano_config(vocab_size: int) -> dict:
+    """A DeepSeek-OCR config.json (original layout) at nano sizes. Base mode: the 512 px page is
+    letterboxed (here: scaled) to 1024 -> 16x16 tokens, each seeing 32x32 page pixels (about two
+    characters of one line), the real model's 4096-code geometry (256 tokens x 16 dims). SAM uses
+    windowed attention only: global attention over 64x64 patches is too slow to train on a CPU."""
+    language = {
+        "bos_token_id": 0, "eos_token_id": 1, "first_k_dense_replace": 1, "hidden_size": 256,
+        "intermediate_size": 512, "kv_lora_rank": None, "lm_head": True, "max_position_embeddings": 8192,
+        "moe_intermediate_size": 128, "n_group": 1, "n_routed_experts": 8, "n_shared_experts": 1,
+        "num_attention_heads": 4, "num_experts_per_tok": 2, "num_hidden_layers": 3, "num_key_value_heads": 4,
+        "q_lora_rank": None, "qk_nope_head_dim": 0, "qk_rope_head_dim": 0, "rm_head": False, "topk_group": 1,
+        "topk_method": "greedy", "use_mla": False, "v_head_dim": 0, "vocab_size": vocab_size}
+    return {
+        "_name_or_path": "ocr-latent/nano", "architectures": ["DeepseekOCRForCausalLM"],
+        "candidate_resolutions": [[1024, 1024]], "global_view_pos": "head", "model_type": "deepseek_vl_v2",
+        "language_config": {**language, "architectures": ["DeepseekV2ForCausalLM"], "torch_dtype": "float32"},
+        "projector_config": {"input_dim": 512, "model_type": "mlp_projector", "n_embed": 256, "projector_type": "linear"},
+        "tile_tag": "2D", "torch_dtype": "float32",
+        "vision_config": {"image_size": 1024, "model_name": "deeplip_b_l", "model_type": "vision", "width": {
+            "clip-l-14-224": {"heads": 4, "image_size": 224, "layers": 2, "patch_size": 14, "width": 256},
+            "sam_vit_b": {"downsample_channels": [128, 256], "global_attn_indexes": [], "heads": 2,
+                          "layers": 2, "width": 64, "neck_channels": 32}}},
+        "ocr_latent": {"mode": "base", "prompt": FREE_PROMPT}, **language}
+
+
+def char_tokenizer():
+    """Character-level tokenizer in tokenizers' format: specials, then '\\n' and printable ASCII."""
+    from tokenizers import Tokenizer, decoders, models
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + ["\n"] + list(CHARSET))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tok.add_special_tokens(SPECIALS)
+    tok.decoder = decoders.Fuse()
+    return tok
+
+
+def tokenizer_config(tok) -> dict:
+    added = {str(tok.token_to_id(s)): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
+                                        "single_word": False, "special": True} for s in SPECIALS}
+    return {"add_bos_token": True, "add_eos_token": False, "bos_token": SPECIALS[0], "eos_token": SPECIALS[1],
+            "pad_token": SPECIALS[2], "added_tokens_decoder": added, "tokenizer_class": "PreTrainedTokenizerFast"}
+
+
+def new_nano(seed: int) -> OCRModel:
+    tok = char_tokenizer()
+    cfg = nano_config(tok.get_vocab_size())
+    encoder, decoder = build_modules(cfg, "cpu")
+    init_weights(encoder, decoder, seed=seed)
+    ids = {s: tok.token_to_id(s) for s in SPECIALS}
+    tokens = SpecialTokens(bos=ids[SPECIALS[0]], eos=ids[SPECIALS[1]], pad=ids[SPECIALS[2]], image=ids["<image>"])
+    return OCRModel(cfg, encoder, decoder, tokens, tok)
+
+
+def save_run(model: OCRModel, out: Path, extra: dict[str, torch.Tensor] | None = None) -> None:
+    save_model(model, out)
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(model.tokenizer), indent=1) + "\n")
+    if extra:
+        save_file({k: v.detach().contiguous() for k, v in extra.items()}, str(out / "train_state.safetensors"))
