@@ -184,7 +184,7 @@ def train_quantizer(args) -> None:
     out = Path(args.out or Path(args.base) / "quantizer.safetensors")
     args.run = str(args.run or out.with_suffix(".run"))
     run = Path(args.run)
-    model = load_model(args.base, {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype], args.device)
+    model = load_model(args.base, args.dtype, args.device)
     for p in [*model.encoder.parameters(), *model.decoder.parameters()]:
         p.requires_grad_(False)
     model.encoder.eval(), model.decoder.eval()
