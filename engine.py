@@ -51,7 +51,11 @@ class Overloaded(EngineError):
 
 
 class Unavailable(EngineError):
-    """Loading, failed to load, or shutting down."""
+    """Failed to load, or shutting down."""
+
+
+class Loading(Unavailable):
+    """Still loading: retry shortly."""
 
 
 class DeadlineExceeded(EngineError):
@@ -71,13 +75,13 @@ class StartupError(RuntimeError):
 
 
 # ----------------------------------------------------------------------------- configuration
-def _env(name: str, default: str | None = None) -> str | None:
+def env_text(name: str, default: str | None = None) -> str | None:
     value = os.environ.get(name)
     return default if value is None or value.strip() == "" else value.strip()
 
 
-def _num(name: str, default, kind=int, minimum=None):
-    raw = _env(name)
+def env_number(name: str, default, kind=int, minimum=None):
+    raw = env_text(name)
     if raw is None:
         return default
     try:
@@ -112,23 +116,23 @@ class EngineConfig:
     @classmethod
     def from_env(cls) -> "EngineConfig":
         # bf16 on accelerators: DeepSeek-OCR's own serving dtype, and the MoE's grouped-GEMM path
-        dtype = _env("DTYPE", "float32" if _env("DEVICE", "cpu") == "cpu" else "bf16").lower()
-        prefill_dtype = _env("PREFILL_DTYPE", "").lower() or None
+        dtype = env_text("DTYPE", "float32" if env_text("DEVICE", "cpu") == "cpu" else "bf16").lower()
+        prefill_dtype = env_text("PREFILL_DTYPE", "").lower() or None
         for name, value in (("DTYPE", dtype), ("PREFILL_DTYPE", prefill_dtype or "float32")):
             if value not in DTYPE_NAMES:
                 raise SystemExit(f"{name}={value!r}: use float32, bf16 or fp16")
         return cls(
-            model_dir=_env("MODEL_DIR"), quantizer=_env("QUANTIZER"), device=_env("DEVICE", "cpu"), dtype=dtype,
+            model_dir=env_text("MODEL_DIR"), quantizer=env_text("QUANTIZER"), device=env_text("DEVICE", "cpu"), dtype=dtype,
             prefill_dtype=prefill_dtype,
-            torch_threads=_num("TORCH_THREADS", None, int, 1),
-            encode_batch_window_ms=_num("ENCODE_BATCH_WINDOW_MS", 5.0, float, 0),
-            encode_max_batch=_num("ENCODE_MAX_BATCH", 8, int, 1),
-            decode_slots=_num("DECODE_SLOTS", 16, int, 1),
-            max_queue=_num("MAX_QUEUE", 64, int, 1),
-            request_timeout_s=_num("REQUEST_TIMEOUT_S", 120.0, float, 0.001),
-            retry_after_s=_num("RETRY_AFTER_S", 1, int, 0),
-            load_delay_s=_num("OCR_LATENT_TEST_LOAD_DELAY_S", 0.0, float, 0),
-            step_delay_s=_num("OCR_LATENT_TEST_STEP_DELAY_S", 0.0, float, 0),
+            torch_threads=env_number("TORCH_THREADS", None, int, 1),
+            encode_batch_window_ms=env_number("ENCODE_BATCH_WINDOW_MS", 5.0, float, 0),
+            encode_max_batch=env_number("ENCODE_MAX_BATCH", 8, int, 1),
+            decode_slots=env_number("DECODE_SLOTS", 16, int, 1),
+            max_queue=env_number("MAX_QUEUE", 64, int, 1),
+            request_timeout_s=env_number("REQUEST_TIMEOUT_S", 120.0, float, 0.001),
+            retry_after_s=env_number("RETRY_AFTER_S", 1, int, 0),
+            load_delay_s=env_number("OCR_LATENT_TEST_LOAD_DELAY_S", 0.0, float, 0),
+            step_delay_s=env_number("OCR_LATENT_TEST_STEP_DELAY_S", 0.0, float, 0),
         )
 
 
@@ -186,14 +190,19 @@ class Engine:
         self.thread.start()
         return self
 
-    def wait_ready(self, timeout: float | None = None) -> None:
-        """Block until loaded and warmed up; raises Unavailable when loading failed."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.ready:
+    def check_ready(self) -> None:
+        """Raises Loading while loading, Unavailable when loading failed."""
+        if not self.ready:
             if self.failed:
                 raise Unavailable(f"the model failed to load: {self.failed.splitlines()[0]}")
-            if deadline is not None and time.monotonic() > deadline:
-                raise Unavailable("the model is still loading", self.s.loading_retry_after_s)
+            raise Loading("the model is still loading", self.s.loading_retry_after_s)
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until loaded and warmed up; raises Unavailable when loading failed (Loading on timeout)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.ready:
+            if self.failed or deadline is not None and time.monotonic() > deadline:
+                self.check_ready()
             time.sleep(0.02)
 
     def encode(self, image: Image.Image, timeout_s: float | None = None) -> EncodeJob:
@@ -214,14 +223,11 @@ class Engine:
         return time.monotonic() + (self.s.request_timeout_s if timeout_s is None else timeout_s)
 
     def submit(self, job: Job) -> Job:
-        """Queue a job; raises Unavailable (not ready, shutting down) or Overloaded (queue full)."""
+        """Queue a job; raises Loading, Unavailable (failed, shutting down) or Overloaded (queue full)."""
         with self.cv:
             if self.stopping:
                 raise Unavailable("the server is shutting down", self.s.loading_retry_after_s)
-            if not self.ready:
-                if self.failed:
-                    raise Unavailable(f"the model failed to load: {self.failed.splitlines()[0]}")
-                raise Unavailable("the model is still loading", self.s.loading_retry_after_s)
+            self.check_ready()
             # jobs that the next turn of the worker takes (into free decode slots, into the next
             # encode batch) are not waiting; max_queue bounds the ones behind those
             is_decode = isinstance(job, DecodeJob)

@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from architecture import BITS_PER_CODE, MAX_LEVEL, NUM_CODES, PACKED_BYTES
 from engine import (Cancelled, DeadlineExceeded, DecodeJob, EncodeJob, Engine, EngineConfig, EngineError, Job,
-                    Overloaded, Unavailable, _env, _num)
+                    Loading, Overloaded, Unavailable, env_number, env_text)
 from telemetry import Metrics
 
 log = logging.getLogger("ocr_latent.server")
@@ -58,8 +58,8 @@ class Settings:
 
     @classmethod
     def from_env(cls) -> "Settings":
-        return cls(engine=EngineConfig.from_env(), max_body_bytes=_num("MAX_BODY_BYTES", 20_000_000, int, 1),
-                   max_image_pixels=_num("MAX_IMAGE_PIXELS", 40_000_000, int, 1))
+        return cls(engine=EngineConfig.from_env(), max_body_bytes=env_number("MAX_BODY_BYTES", 20_000_000, int, 1),
+                   max_image_pixels=env_number("MAX_IMAGE_PIXELS", 40_000_000, int, 1))
 
 
 # ----------------------------------------------------------------------------- API models
@@ -224,7 +224,7 @@ def http_error(e: EngineError) -> ApiError:
     if isinstance(e, Overloaded):
         return ApiError(503, "overloaded", e.message, headers)
     if isinstance(e, Unavailable):
-        return ApiError(503, "loading" if "still loading" in e.message else "unavailable", e.message, headers)
+        return ApiError(503, "loading" if isinstance(e, Loading) else "unavailable", e.message, headers)
     if isinstance(e, DeadlineExceeded):
         return ApiError(504, "timeout", e.message)
     if isinstance(e, Cancelled):
@@ -338,12 +338,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return error_response(500, "internal", f"internal error: {type(exc).__name__}")
 
     def engine_of(request: Request) -> Engine:
+        """The engine, once ready (checked before the body is read: a loading server answers at once)."""
         engine: Engine = request.app.state.engine
-        if not engine.ready:
-            if engine.failed:
-                raise ApiError(503, "unavailable", f"the model failed to load: {engine.failed.splitlines()[0]}")
-            raise ApiError(503, "loading", "the model is still loading",
-                           {"Retry-After": str(s.engine.loading_retry_after_s)})
+        try:
+            engine.check_ready()
+        except EngineError as e:
+            raise http_error(e) from None
         return engine
 
     async def run_job(request: Request, engine: Engine, job: Job) -> Any:
@@ -492,10 +492,10 @@ def main() -> int:
     """`python server.py`: uvicorn on HOST:PORT; exits non-zero when the model cannot be loaded."""
     import uvicorn
     global _fatal_hook
-    logging.basicConfig(level=_env("LOG_LEVEL", "info").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    host, port = _env("HOST", "127.0.0.1"), _num("PORT", 8000, int, 0)
-    config = uvicorn.Config(create_app(), host=host, port=port, log_level=_env("LOG_LEVEL", "info").lower(),
-                            timeout_graceful_shutdown=10, access_log=_env("ACCESS_LOG", "0") == "1")
+    logging.basicConfig(level=env_text("LOG_LEVEL", "info").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    host, port = env_text("HOST", "127.0.0.1"), env_number("PORT", 8000, int, 0)
+    config = uvicorn.Config(create_app(), host=host, port=port, log_level=env_text("LOG_LEVEL", "info").lower(),
+                            timeout_graceful_shutdown=10, access_log=env_text("ACCESS_LOG", "0") == "1")
     server = uvicorn.Server(config)
     failure: list[str] = []
 
