@@ -269,6 +269,8 @@ def finish(args, model, q, meta, data, docs, mode, frozen: str, out: Path) -> No
               "geometry": q.geometry(), "parameters": sum(p.numel() for p in q.parameters()),
               "steps": meta["step"], "wall_s": round(meta["wall_s"], 1),
               "sec_per_step": round(meta["wall_s"] / max(1, meta["step"]), 3),
+              "peak_gpu_mem_gb": (round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                                  if args.device.startswith("cuda") else None),
               "hyperparameters": hyperparameters(args), "data": data.record,
               "val_uncompressed_cer": meta.get("val_uncompressed"), "val_curve": meta["val_curve"],
               "code_usage": meta["val_curve"][-1] if meta["val_curve"] else None,
@@ -282,7 +284,8 @@ def finish(args, model, q, meta, data, docs, mode, frozen: str, out: Path) -> No
     digest = update_manifest(f"{out.parent.name}/quantizer", record, Path(args.manifest))
     q.save(out, {"base_model": model.name, "base_fingerprint": record["base_fingerprint"], "manifest_sha256": digest,
                  "final_metrics": metrics, "mode": mode})
-    print(f"wrote {out} ({meta['wall_s']:.0f}s, {meta['wall_s'] / max(1, meta['step']):.2f}s/step)")
+    print(f"wrote {out} ({meta['wall_s']:.0f}s, {meta['wall_s'] / max(1, meta['step']):.2f}s/step"
+          + (f", peak GPU memory {record['peak_gpu_mem_gb']} GiB" if record["peak_gpu_mem_gb"] else "") + ")")
 
 
 def add_arguments(q) -> None:
