@@ -27,6 +27,7 @@ from PIL import Image
 from pages import PageSpec, PageStream, load_corpus, split_documents
 from architecture import BITS_PER_CODE, NUM_CODES
 from pipeline import load_pipeline
+from quantizer import code_usage
 from metrics import cer, wer
 from evaluation import read_pages
 
@@ -115,6 +116,12 @@ def main(argv=None) -> None:
         print(f"{name:<28} {np.mean(cers):>7.4f} {np.mean([wer(h, r) for h, r in zip(hyps, refs)]):>7.4f} "
               f"{sum(c == 0 for c in cers):>6}/{len(cers):<5} {time.time() - t:>8.1f}")
     plain, coded = np.mean(results["uncompressed"][1]), np.mean(results["through codes"][1])
+    codes = np.concatenate([pipe.encode([im for im, _ in pages[i:i + 16]]) for i in range(0, len(pages), 16)])
+    usage = code_usage(torch.from_numpy(codes), pipe.quantizer)
+    print(f"code usage on these pages: {usage['position_entropy_bits_mean']:.2f} bits of entropy per code "
+          f"(of {BITS_PER_CODE}; {usage['position_entropy_bits_mean'] * NUM_CODES / 8:.0f} of {code_bytes} bytes a page), "
+          f"{usage['dead_positions']} of {NUM_CODES} code positions never change, "
+          f"per-dimension entropy {min(usage['dim_entropy_bits']):.2f}-{max(usage['dim_entropy_bits']):.2f} bits")
     print(f"CER through codes - uncompressed: {100 * (coded - plain):+.2f} points")
     hyps, cers = results["through codes"]
     print("worst pages through the codes:")

@@ -197,3 +197,22 @@ def test_the_original_format_trains_a_quantizer_then_serves_with_it(tmp_path):
                                         .json()["codes_b64"])) == 2048
     finally:
         srv.stop()
+
+
+# ----------------------------------------------------------------------------- the shipped default
+def test_the_default_is_a_full_rank_frozen_base_with_a_cross_token_quantizer_trained_on_it():
+    """The embedded default is the honest stand-in for DeepSeek-OCR: its projector has full rank (never
+    trained through a bottleneck), and its quantizer crosses tokens and was trained with exactly these
+    base tensors frozen (the manifest's digest is the digest of the files that ship)."""
+    from checkpoint import file_sha256
+    model = load_model(NANO)
+    s = torch.linalg.svdvals(model.encoder.projector.layers.weight.detach().double())
+    assert int((s > 1e-3 * s[0]).sum()) == min(model.encoder.projector.layers.weight.shape)
+    q, meta = ScalarCodes.load(NANO / "quantizer.safetensors")
+    assert isinstance(q, CrossTokenFSQ) and meta["kind"] == "cross_token"
+    manifest = json.loads((ROOT / "training_manifest.json").read_text())["artifacts"]
+    record = manifest["nano/quantizer"]
+    assert record["base_state_sha256"] == quantizer_training.base_digest(model) and record["base_unchanged"]
+    assert record["weights_sha256"] == file_sha256(NANO / "quantizer.safetensors")
+    assert manifest["nano/base"]["weights_sha256"] == file_sha256(NANO / "model-00001-of-000001.safetensors")
+    assert not record["code_commit"].endswith("+uncommitted")
