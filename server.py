@@ -33,6 +33,7 @@ from PIL import Image
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, model_validator
 from starlette.datastructures import UploadFile
+from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from architecture import BITS_PER_CODE, MAX_LEVEL, NUM_CODES, PACKED_BYTES
@@ -327,6 +328,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return error_response(400, "invalid_json", "request body is not valid JSON")
         return error_response(422, "invalid_request", validation_message(exc))
 
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, exc: ClientDisconnect):
+        # nobody reads this answer; it is what /metrics counts (499, not a server error)
+        return error_response(499, "client_closed_request", "the client disconnected before sending its body")
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         return error_response(exc.status_code, HTTP_ERROR_TYPES.get(exc.status_code, "error"), str(exc.detail),
@@ -413,7 +419,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def decode(request: Request):
         """4096 codes (`codes` or `codes_b64`) -> the page's text, greedy."""
         engine = engine_of(request)
-        body = parse_json(await request.body())
+        body = await read_json(request)
         try:
             req = DecodeRequest.model_validate(body)
         except ValidationError as e:
@@ -453,12 +459,21 @@ async def wait_disconnect(request: Request) -> None:
 
 
 def parse_json(body: bytes) -> Any:
+    """Bytes -> JSON, every failure a 400 (the parser recurses per nesting level, and int() refuses
+    more than 4,300 digits)."""
     if not body.strip():
         raise ApiError(400, "invalid_json", "request body is empty; send a JSON object")
     try:
         return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except RecursionError:
+        raise ApiError(400, "invalid_json", "request body is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, a number with too many digits
         raise ApiError(400, "invalid_json", f"request body is not valid JSON: {e}") from None
+
+
+async def read_json(request: Request) -> Any:
+    """The body parsed off the event loop: a large body must not stall /health."""
+    return await asyncio.to_thread(parse_json, await request.body())
 
 
 async def read_image_bytes(request: Request, s: Settings) -> bytes:
@@ -480,7 +495,7 @@ async def read_image_bytes(request: Request, s: Settings) -> bytes:
             raise ApiError(415, "unsupported_media_type", "request body is empty")
         return data
     # application/json, or anything else (e.g. curl -d's default form type) parsed as JSON
-    body = parse_json(await request.body())
+    body = await read_json(request)
     try:
         req = EncodeRequest.model_validate(body)
     except ValidationError as e:

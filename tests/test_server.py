@@ -336,6 +336,14 @@ BAD_REQUESTS = [
     ("json array", "/decode", {"json": [1, 2, 3]}, 422),
     ("no image field", "/encode", {"json": {"picture": "abc"}}, 422),
     ("unknown field", "/decode", {"json": {"codes": [0] * 4096, "max_token": 5}}, 422),
+    # hostile JSON: Python's int() refuses more than 4,300 digits, json.loads recurses per level
+    ("huge integer", "/decode", {"content": b'{"codes": [1' + b"0" * 5000 + b'], "max_tokens": 5}',
+                                 "headers": {"content-type": "application/json"}}, 400),
+    ("huge integer encode", "/encode", {"content": b'{"image": 1' + b"0" * 5000 + b"}",
+                                        "headers": {"content-type": "application/json"}}, 400),
+    ("deep nesting", "/decode", {"content": b"[" * 100_000 + b"]" * 100_000, "headers": {"content-type": "application/json"}}, 400),
+    ("deep nesting encode", "/encode", {"content": b'{"image": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+                                        "headers": {"content-type": "application/json"}}, 400),
 ]
 
 
@@ -355,6 +363,24 @@ def test_image_limits(client, test_pages):
     # a body past MAX_BODY_BYTES without Content-Length (chunked) is cut off too
     chunks = (b"x" * 65536 for _ in range(BODY_LIMIT // 65536 + 2))
     assert_error(client.post("/encode", content=chunks, headers={"content-type": "image/png"}), 413)
+
+
+def test_a_hang_up_mid_upload_is_counted_as_499_without_a_traceback(server, client):
+    """A client that declares a body and leaves half-way: not a server error (no 5xx in /metrics, no
+    traceback in the log), counted as 499."""
+    before = metric(client, "ocr_latent_requests_total", endpoint="/encode", status="499")
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", server.port)) as s:
+            s.sendall(b"POST /encode HTTP/1.1\r\nHost: localhost\r\nContent-Type: image/png\r\n"
+                      b"Content-Length: 100000\r\n\r\n" + b"\x89PNG" * 250)
+            time.sleep(0.1)
+    deadline = time.monotonic() + 10
+    while metric(client, "ocr_latent_requests_total", endpoint="/encode", status="499") < before + 3:
+        assert time.monotonic() < deadline, client.get("/metrics").text
+        time.sleep(0.1)
+    assert metric(client, "ocr_latent_requests_total", endpoint="/encode", status="500") == 0
+    assert "Traceback" not in server.log_path.read_text()
+    assert client.get("/health").status_code == 200
 
 
 def test_markdown_prompt_only_when_spellable(client, test_pages):
