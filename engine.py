@@ -108,6 +108,7 @@ class EngineConfig:
     max_queue: int = 64  # MAX_QUEUE: jobs waiting for the worker (not yet batched)
     request_timeout_s: float = 120.0  # REQUEST_TIMEOUT_S: per-job deadline
     retry_after_s: int = 1  # RETRY_AFTER_S: advice to a caller refused by a full queue
+    shutdown_drain_s: float = 8.0  # SHUTDOWN_DRAIN_S: on SIGTERM, how long running work may finish
     loading_retry_after_s: int = 5  # advice while loading or shutting down
     load_delay_s: float = 0.0  # OCR_LATENT_TEST_LOAD_DELAY_S: tests only, widens the loading window
     step_delay_s: float = 0.0  # OCR_LATENT_TEST_STEP_DELAY_S: tests only, a slow model (sleep per decode step)
@@ -131,6 +132,7 @@ class EngineConfig:
             max_queue=env_number("MAX_QUEUE", 64, int, 1),
             request_timeout_s=env_number("REQUEST_TIMEOUT_S", 120.0, float, 0.001),
             retry_after_s=env_number("RETRY_AFTER_S", 1, int, 0),
+            shutdown_drain_s=env_number("SHUTDOWN_DRAIN_S", 8.0, float, 0),
             load_delay_s=env_number("OCR_LATENT_TEST_LOAD_DELAY_S", 0.0, float, 0),
             step_delay_s=env_number("OCR_LATENT_TEST_STEP_DELAY_S", 0.0, float, 0),
         )
@@ -183,6 +185,7 @@ class Engine:
         self.ready = False
         self.failed: str | None = None
         self.stopping = False
+        self.drain_deadline: float | None = None  # set by drain(): refuse new work, fail what is left then
         self.thread = threading.Thread(target=self._main, name="ocr-latent-engine", daemon=True)
 
     # -- any thread
@@ -225,7 +228,7 @@ class Engine:
     def submit(self, job: Job) -> Job:
         """Queue a job; raises Loading, Unavailable (failed, shutting down) or Overloaded (queue full)."""
         with self.cv:
-            if self.stopping:
+            if self.stopping or self.drain_deadline is not None:
                 raise Unavailable("the server is shutting down", self.s.loading_retry_after_s)
             self.check_ready()
             # jobs that the next turn of the worker takes (into free decode slots, into the next
@@ -248,6 +251,13 @@ class Engine:
             job.cancelled = True
             with self.cv:
                 self.cv.notify()
+
+    def drain(self, seconds: float) -> None:
+        """Shutting down: refuse new jobs now, let running ones finish for `seconds`, then fail what is
+        left with Unavailable (their callers answer before a server's own shutdown timeout cuts them off)."""
+        with self.cv:
+            self.drain_deadline = time.monotonic() + seconds
+            self.cv.notify()
 
     def stop(self, timeout: float = 10.0) -> None:
         with self.cv:
@@ -342,6 +352,8 @@ class Engine:
     def _serve(self) -> None:
         window = self.s.encode_batch_window_ms / 1000
         while True:
+            if self.drain_deadline is not None and time.monotonic() > self.drain_deadline:
+                self._fail_everything(Unavailable("the server is shutting down", self.s.loading_retry_after_s))
             with self.cv:
                 while not (self.stopping or self.encodes or self.decodes or self.running):
                     self.m.tokens_per_s.set(0)
@@ -478,7 +490,11 @@ class Engine:
     def _fail_everything(self, err: EngineError) -> None:
         with self.cv:
             pending = list(self.encodes) + list(self.decodes) + self.running
+            for j in self.running:
+                self.gen.drop(j.seq)
             self.encodes.clear(), self.decodes.clear()
             self.running = []
+            self.m.active.set(0)
+            self._gauge_queue()
         for j in pending:
             self._resolve(j, error=err)

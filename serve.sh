@@ -11,7 +11,7 @@
 #
 # Exit status: 1 when the model cannot be loaded (missing or mismatched quantizer, bad MODEL_DIR, ...;
 # the reason and the fix are printed last), 2 when .venv cannot be set up, 0 after Ctrl-C; SIGTERM
-# drains in-flight requests (up to 10 s) and ends the process by that signal.
+# drains in-flight requests (SHUTDOWN_DRAIN_S, default 8 s; what is left gets a JSON 503) and ends the process.
 set -euo pipefail
 cd "$(dirname "$0")"
 

@@ -504,17 +504,30 @@ async def read_image_bytes(request: Request, s: Settings) -> bytes:
 
 
 def main() -> int:
-    """`python server.py`: uvicorn on HOST:PORT; exits non-zero when the model cannot be loaded."""
+    """`python server.py`: uvicorn on HOST:PORT; exits non-zero when the model cannot be loaded. On
+    SIGTERM/SIGINT the engine drains for SHUTDOWN_DRAIN_S, then answers what is left with a JSON 503,
+    before uvicorn's own graceful timeout (2 s later) would cut those requests off."""
     import uvicorn
     global _fatal_hook
     logging.basicConfig(level=env_text("LOG_LEVEL", "info").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     host, port = env_text("HOST", "127.0.0.1"), env_number("PORT", 8000, int, 0)
-    config = uvicorn.Config(create_app(), host=host, port=port, log_level=env_text("LOG_LEVEL", "info").lower(),
-                            timeout_graceful_shutdown=10, access_log=env_text("ACCESS_LOG", "0") == "1")
-    server = uvicorn.Server(config)
+    settings = Settings.from_env()
+    app = create_app(settings)
+    drain = settings.engine.shutdown_drain_s
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            engine = getattr(app.state, "engine", None)
+            if engine is not None:
+                engine.drain(drain)
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=env_text("LOG_LEVEL", "info").lower(),
+                            timeout_graceful_shutdown=int(drain) + 2, access_log=env_text("ACCESS_LOG", "0") == "1")
+    server = Server(config)
     failure: list[str] = []
 
-    def fatal(message: str) -> None:  # the worker has logged the message
+    def fatal(message: str) -> None:  # the engine has logged the message
         failure.append(message)
         server.should_exit = True
 

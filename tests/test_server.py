@@ -506,6 +506,43 @@ def test_flood_of_concurrent_decodes(slow):
     assert len({json.dumps(a[2]) for a in answers if a[0] == 200}) == 1  # same codes, same text
 
 
+def test_sigterm_mid_decode_answers_every_request_with_json(tmp_path_factory, looping_model):
+    """SIGTERM with decodes running and queued: new work is refused at once, running work gets
+    SHUTDOWN_DRAIN_S to finish, and whatever is left is answered with a JSON 503 (not a plain-text 500
+    when the server's own shutdown timeout cuts it off)."""
+    srv = looper_server(tmp_path_factory, looping_model, "drain", OCR_LATENT_TEST_STEP_DELAY_S=0.02, DECODE_SLOTS=2,
+                        MAX_QUEUE=8, SHUTDOWN_DRAIN_S=1)
+    results: list = []
+
+    def send():
+        try:
+            r = httpx.post(srv.url + "/decode", json={"codes": [0] * NUM_CODES, "max_tokens": 4000}, timeout=30)
+            results.append((r.status_code, r.headers.get("content-type", ""), r.text))
+        except httpx.TransportError as e:
+            results.append(("transport error", "", repr(e)))
+
+    threads = [threading.Thread(target=send) for _ in range(6)]
+    try:
+        for t in threads:
+            t.start()
+        with httpx.Client(base_url=srv.url, timeout=5) as c:
+            deadline = time.monotonic() + 10
+            while metric(c, "ocr_latent_active_sequences") < 2:  # 2 decoding, 4 queued
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        srv.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(30)
+        srv.proc.wait(30)
+    finally:
+        srv.stop()
+    assert len(results) == 6, results
+    for status, ctype, body in results:  # finished in time (200), or failed by the drain (503); JSON either way
+        assert status in (200, 503) and ctype.startswith("application/json"), (status, body[:200])
+    # no decode of the looping model ends within the 1 s drain (its loop detector needs >= 240 steps of 20 ms)
+    assert all(json.loads(body)["error"]["type"] == "unavailable" for _, _, body in results), results
+
+
 def test_deadline_gives_504(slow):
     t0 = time.monotonic()
     err = assert_error(slow.post("/decode", json={"codes": [8] * NUM_CODES, "max_tokens": 8192}), 504)
