@@ -80,8 +80,12 @@ class EncodeResponse(BaseModel):
 
 class DecodeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    codes: list[StrictInt] | None = Field(None, description="4096 ints in 0..15 (exactly one of codes, codes_b64)")
-    codes_b64: StrictStr | None = Field(None, description="2048 packed bytes as base64, as /encode returns them")
+    # the constraints are checked in _one_source (with messages that name the bad entry); the schema states them
+    codes: list[StrictInt] | None = Field(None, description=f"{NUM_CODES} ints in 0..{MAX_LEVEL} (exactly one of codes, codes_b64)",
+                                          json_schema_extra={"minItems": NUM_CODES, "maxItems": NUM_CODES,
+                                                             "items": {"type": "integer", "minimum": 0, "maximum": MAX_LEVEL}})
+    codes_b64: StrictStr | None = Field(None, description=f"{PACKED_BYTES} packed bytes as base64, as /encode returns them",
+                                        json_schema_extra={"contentEncoding": "base64"})
     prompt: Literal["free", "markdown"] = Field("free", description='"free": <image>\\nFree OCR.; "markdown": '
                                                 "<image>\\n<|grounding|>Convert the document to markdown.")
     max_tokens: StrictInt = Field(4096, ge=1, le=8192, description="most tokens to generate (EOS included)")
@@ -314,7 +318,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await asyncio.to_thread(engine.stop)
 
     errors = {code: {"model": ErrorResponse} for code in (400, 413, 415, 422, 503, 504)}
-    app = FastAPI(title="ocr-latent", version="0.1.0", lifespan=lifespan,
+    # redirect_slashes off: "/decode/" is a 404, not a redirect built from the client's Host header
+    app = FastAPI(title="ocr-latent", version="0.1.0", lifespan=lifespan, redirect_slashes=False,
                   description="Document image -> 4096 four-bit codes -> page text (DeepSeek-OCR architecture).")
     app.state.settings, app.state.metrics = s, metrics
 
@@ -378,7 +383,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         raise http_error(engine.deadline_error())
 
     # ------------------------------------------------------------------ endpoints
-    @app.get("/health", response_model=HealthResponse,
+    @app.api_route("/health", methods=["GET", "HEAD"], response_model=HealthResponse,  # load balancers use HEAD
              responses={503: {"model": LoadingResponse, "description": "loading (or failed to load)"}})
     async def health(request: Request):
         engine: Engine = request.app.state.engine

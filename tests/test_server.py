@@ -203,6 +203,8 @@ def test_openapi_and_metrics(client):
     assert {"/health", "/encode", "/decode", "/metrics"} <= set(spec["paths"])
     body = spec["paths"]["/decode"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert {"codes", "codes_b64", "prompt", "max_tokens"} <= set(body["properties"])
+    codes = body["properties"]["codes"]  # the constraints the server enforces, stated for generated clients
+    assert codes["minItems"] == codes["maxItems"] == NUM_CODES and codes["items"]["maximum"] == 15
     text = client.get("/metrics").text
     for name in ("ocr_latent_requests_total", "ocr_latent_request_seconds", "ocr_latent_encode_batch_size",
                  "ocr_latent_decode_batch_size", "ocr_latent_queue_depth", "ocr_latent_decode_tokens_total",
@@ -402,6 +404,10 @@ def test_errors_leave_the_server_healthy(client, test_pages):
     assert not fives, fives
     assert client.get("/nope").json()["error"]["type"] == "not_found"
     assert client.get("/decode").json()["error"]["type"] == "method_not_allowed"
+    # no redirect (its Location would be built from the client's Host header); HEAD for load balancers
+    r = client.post("/decode/", json={"codes": [0] * NUM_CODES}, headers={"Host": "evil.example"})
+    assert r.status_code == 404 and "location" not in r.headers
+    assert client.head("/health").status_code == 200
 
 
 # ----------------------------------------------------------------------------- a model that loops
