@@ -23,7 +23,6 @@ from decoder import Generator, RepetitionRule
 from quantizer import ScalarCodes
 
 
-
 def base_fingerprint(model: OCRModel) -> str:
     """Identifies a base model's weights cheaply: its config plus the projector it feeds the codes from."""
     h = hashlib.sha256(json.dumps(model.config, sort_keys=True).encode())
