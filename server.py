@@ -56,11 +56,15 @@ class Settings:
     engine: EngineConfig = field(default_factory=EngineConfig)
     max_body_bytes: int = 20_000_000  # MAX_BODY_BYTES -> 413
     max_image_pixels: int = 40_000_000  # MAX_IMAGE_PIXELS -> 413
+    header_timeout_s: float = 10.0  # HEADER_TIMEOUT_S: a connection must send a whole request head within this
+    max_connections: int = 1000  # MAX_CONNECTIONS: beyond this many open connections, requests get a 503
 
     @classmethod
     def from_env(cls) -> "Settings":
         return cls(engine=EngineConfig.from_env(), max_body_bytes=env_number("MAX_BODY_BYTES", 20_000_000, int, 1),
-                   max_image_pixels=env_number("MAX_IMAGE_PIXELS", 40_000_000, int, 1))
+                   max_image_pixels=env_number("MAX_IMAGE_PIXELS", 40_000_000, int, 1),
+                   header_timeout_s=env_number("HEADER_TIMEOUT_S", 10.0, float, 0.1),
+                   max_connections=env_number("MAX_CONNECTIONS", 1000, int, 1))
 
 
 # ----------------------------------------------------------------------------- API models
@@ -508,6 +512,59 @@ async def read_image_bytes(request: Request, s: Settings) -> bytes:
     return image_bytes_from_string(req.image)
 
 
+def header_timeout_protocol(seconds: float):
+    """uvicorn's h11 protocol with a deadline on the request head: a connection that says nothing, or
+    trickles its headers, is closed after `seconds` instead of holding an open file for ever (uvicorn
+    only times out connections that are idle after a response)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutH11(H11Protocol):
+        _head_timer = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_timer = self.loop.call_later(seconds, self._head_timed_out)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timed_out(self) -> None:
+            in_request = self.cycle is not None and not self.cycle.response_complete
+            if not in_request and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm()  # a whole head arrived: the request's own deadline governs from here
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+                self._arm()  # the next head on this keep-alive connection
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeaderTimeoutH11
+
+
+def raise_open_file_limit() -> None:
+    """Soft limit up to the hard one: every client connection holds a file descriptor."""
+    with contextlib.suppress(ImportError, ValueError, OSError):
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 65536), hard))
+
+
 def main() -> int:
     """`python server.py`: uvicorn on HOST:PORT; exits non-zero when the model cannot be loaded. On
     SIGTERM/SIGINT the engine drains for SHUTDOWN_DRAIN_S, then answers what is left with a JSON 503,
@@ -527,8 +584,11 @@ def main() -> int:
                 engine.drain(drain)
             super().handle_exit(sig, frame)
 
+    raise_open_file_limit()
     config = uvicorn.Config(app, host=host, port=port, log_level=env_text("LOG_LEVEL", "info").lower(),
-                            timeout_graceful_shutdown=int(drain) + 2, access_log=env_text("ACCESS_LOG", "0") == "1")
+                            timeout_graceful_shutdown=int(drain) + 2, access_log=env_text("ACCESS_LOG", "0") == "1",
+                            http=header_timeout_protocol(settings.header_timeout_s),
+                            limit_concurrency=settings.max_connections)
     server = Server(config)
     failure: list[str] = []
 

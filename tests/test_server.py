@@ -385,6 +385,29 @@ def test_a_hang_up_mid_upload_is_counted_as_499_without_a_traceback(server, clie
     assert client.get("/health").status_code == 200
 
 
+def test_silent_and_trickling_connections_are_closed_and_health_still_answers(tmp_path_factory):
+    """Connections that never send a request head (silent, or headers trickled without end) are
+    closed after HEADER_TIMEOUT_S: they cannot pile up until the server runs out of open files."""
+    srv = Server(tmp_path_factory.mktemp("slowloris"), "slowloris", HEADER_TIMEOUT_S=1)
+    socks = []
+    try:
+        srv.wait_healthy(30)
+        for i in range(60):
+            s = socket.create_connection(("127.0.0.1", srv.port))
+            if i % 2:
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")  # never finishes its head
+            socks.append(s)
+        with httpx.Client(base_url=srv.url, timeout=5) as c:
+            assert c.get("/health").status_code == 200  # a real client is served meanwhile
+        for s in socks:
+            s.settimeout(10)
+            assert s.recv(1024) == b""  # closed by the server
+    finally:
+        for s in socks:
+            s.close()
+        srv.stop()
+
+
 def test_markdown_prompt_only_when_spellable(client, test_pages):
     codes = encode(client, test_pages[0].image)["codes"]
     r = client.post("/decode", json={"codes": codes, "prompt": "markdown", "max_tokens": 3})
