@@ -347,9 +347,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return error_response(exc.status_code, HTTP_ERROR_TYPES.get(exc.status_code, "error"), str(exc.detail),
                               getattr(exc, "headers", None))
 
+    tracebacks_logged: dict[str, float] = {}
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        log.error("unhandled error:\n%s", "".join(traceback.format_exception(exc)))
+        # a bug hit by every request must not flood the log: one traceback per kind of error a minute
+        key, now = f"{type(exc).__name__}: {exc}"[:200], time.monotonic()
+        if now - tracebacks_logged.get(key, -60.0) >= 60.0:
+            tracebacks_logged[key] = now
+            log.error("unhandled error:\n%s", "".join(traceback.format_exception(exc)))
+        else:
+            log.error("unhandled error (traceback logged within the last minute): %s", key)
         return error_response(500, "internal", f"internal error: {type(exc).__name__}")
 
     def engine_of(request: Request) -> Engine:
