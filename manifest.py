@@ -42,11 +42,15 @@ def update_manifest(artifact: str, record: dict, path: Path = ROOT / "training_m
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
-def curve_file(manifest: Path, name: str, curve: list) -> str:
-    """Write a full training curve beside the manifest; returns its path relative to the manifest's folder."""
-    path = manifest.parent / "training_curves" / f"{name}.json"
+def curve_file(manifest: Path, name: str, curve) -> str:
+    """Write a full training curve beside the manifest, named by its content (records that share a curve
+    share the file); returns its path relative to the manifest's folder. `name` says what it is."""
+    text = json.dumps({"name": name, "curve": curve}, separators=(",", ":")) + "\n"
+    body = json.dumps(curve, separators=(",", ":"))
+    path = manifest.parent / "training_curves" / f"{hashlib.sha256(body.encode()).hexdigest()[:16]}.json"
     path.parent.mkdir(exist_ok=True)
-    path.write_text(json.dumps(curve, separators=(",", ":")) + "\n")
+    if not path.exists():
+        path.write_text(text)
     return str(path.relative_to(manifest.parent))
 
 
