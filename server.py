@@ -14,6 +14,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import hmac
 import io
 import json
 import logging
@@ -58,13 +59,22 @@ class Settings:
     max_image_pixels: int = 40_000_000  # MAX_IMAGE_PIXELS -> 413
     header_timeout_s: float = 10.0  # HEADER_TIMEOUT_S: a connection must send a whole request head within this
     max_connections: int = 1000  # MAX_CONNECTIONS: beyond this many open connections, requests get a 503
+    api_key: str | None = None  # API_KEY or API_KEY_FILE: bearer token required on /encode, /decode, /metrics
 
     @classmethod
     def from_env(cls) -> "Settings":
+        api_key = env_text("API_KEY")
+        if api_key is None and (key_file := env_text("API_KEY_FILE")):
+            try:
+                api_key = open(key_file).read().strip() or None
+            except OSError as e:
+                raise SystemExit(f"API_KEY_FILE={key_file!r}: {e}") from None
+            if api_key is None:
+                raise SystemExit(f"API_KEY_FILE={key_file!r} is empty")
         return cls(engine=EngineConfig.from_env(), max_body_bytes=env_number("MAX_BODY_BYTES", 20_000_000, int, 1),
                    max_image_pixels=env_number("MAX_IMAGE_PIXELS", 40_000_000, int, 1),
                    header_timeout_s=env_number("HEADER_TIMEOUT_S", 10.0, float, 0.1),
-                   max_connections=env_number("MAX_CONNECTIONS", 1000, int, 1))
+                   max_connections=env_number("MAX_CONNECTIONS", 1000, int, 1), api_key=api_key)
 
 
 # ----------------------------------------------------------------------------- API models
@@ -242,9 +252,18 @@ def http_error(e: EngineError) -> ApiError:
 
 
 # ----------------------------------------------------------------------------- ASGI guard
+PROTECTED = ("/encode", "/decode", "/metrics")  # with API_KEY set; /health stays open for probes
+
+
+def authorized(scope, api_key: str) -> bool:
+    """`Authorization: Bearer <API_KEY>`, compared in constant time."""
+    scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
 class Guard:
-    """Outermost middleware: the body-size limit (413 from Content-Length before reading, or as soon as
-    a streamed body passes it) and per-request metrics."""
+    """Outermost middleware: the API key (401 before anything is read), the body-size limit (413 from
+    Content-Length before reading, or as soon as a streamed body passes it) and per-request metrics."""
 
     def __init__(self, app, settings: Settings, metrics: Metrics):
         self.app, self.s, self.m = app, settings, metrics
@@ -264,6 +283,10 @@ class Guard:
         too_large = error_response(413, "payload_too_large",
                                    f"request body is larger than {limit} bytes (MAX_BODY_BYTES)")
         try:
+            if self.s.api_key and scope["path"].rstrip("/") in PROTECTED and not authorized(scope, self.s.api_key):
+                await error_response(401, "unauthorized", "send the API key as 'Authorization: Bearer <key>' (API_KEY)",
+                                     {"WWW-Authenticate": "Bearer"})(scope, receive, send_wrapper)
+                return
             length = dict(scope["headers"]).get(b"content-length")
             try:
                 declared = int(length) if length is not None else None
@@ -593,6 +616,9 @@ def main() -> int:
             super().handle_exit(sig, frame)
 
     raise_open_file_limit()
+    if not settings.api_key and host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s without an API key: anyone who can reach this port can use the model "
+                    "(set API_KEY or API_KEY_FILE)", host)
     config = uvicorn.Config(app, host=host, port=port, log_level=env_text("LOG_LEVEL", "info").lower(),
                             timeout_graceful_shutdown=int(drain) + 2, access_log=env_text("ACCESS_LOG", "0") == "1",
                             http=header_timeout_protocol(settings.header_timeout_s),

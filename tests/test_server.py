@@ -407,6 +407,27 @@ def test_silent_and_trickling_connections_are_closed_and_health_still_answers(tm
         srv.stop()
 
 
+def test_an_api_key_guards_the_model_and_metrics_but_not_health(tmp_path_factory, test_pages):
+    srv = Server(tmp_path_factory.mktemp("keyed"), "keyed", API_KEY="s3cret-key")
+    try:
+        srv.wait_healthy(30)
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            png = {"content": png_bytes(test_pages[0].image), "headers": {"content-type": "image/png"}}
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret-key"}):
+                r = c.post("/encode", content=png["content"], headers={**png["headers"], **headers})
+                assert r.status_code == 401 and r.json()["error"]["type"] == "unauthorized", r.text
+                assert r.headers["www-authenticate"] == "Bearer"
+            assert c.get("/metrics").status_code == 401
+            assert c.post("/decode", json={"codes": [0] * NUM_CODES}).status_code == 401
+            assert c.get("/health").status_code == 200  # probes need no key
+            key = {"Authorization": "Bearer s3cret-key"}
+            r = c.post("/encode", content=png["content"], headers={**png["headers"], **key})
+            assert r.status_code == 200 and len(r.json()["codes"]) == NUM_CODES
+            assert c.get("/metrics", headers=key).status_code == 200
+    finally:
+        srv.stop()
+
+
 def test_markdown_prompt_only_when_spellable(client, test_pages):
     codes = encode(client, test_pages[0].image)["codes"]
     r = client.post("/decode", json={"codes": codes, "prompt": "markdown", "max_tokens": 3})
