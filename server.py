@@ -14,14 +14,17 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import contextvars
 import hmac
 import io
 import json
 import logging
 import os
+import re
 import sys
 import time
 import traceback
+import uuid
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -252,6 +255,26 @@ def http_error(e: EngineError) -> ApiError:
 
 
 # ----------------------------------------------------------------------------- ASGI guard
+# the request being answered, for every log line written while answering it (X-Request-ID)
+request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+class RequestIdFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id.get()
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
+               "request_id": getattr(record, "request_id", "-"), "message": record.getMessage()}
+        if record.exc_info:
+            out["exc_info"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
 PROTECTED = ("/encode", "/decode", "/metrics")  # with API_KEY set; /health stays open for probes
 
 
@@ -262,8 +285,9 @@ def authorized(scope, api_key: str) -> bool:
 
 
 class Guard:
-    """Outermost middleware: the API key (401 before anything is read), the body-size limit (413 from
-    Content-Length before reading, or as soon as a streamed body passes it) and per-request metrics."""
+    """Outermost middleware: the request id (the client's X-Request-ID when well-formed, else a new one;
+    returned on the response, in every log line), the API key (401 before anything is read), the body-size
+    limit (413 from Content-Length before reading, or as soon as a streamed body passes it) and metrics."""
 
     def __init__(self, app, settings: Settings, metrics: Metrics):
         self.app, self.s, self.m = app, settings, metrics
@@ -274,9 +298,14 @@ class Guard:
         endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
         t0, state = time.perf_counter(), {"status": 500, "started": False}
 
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        rid = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        token = request_id.set(rid)
+
         async def send_wrapper(message):
             if message["type"] == "http.response.start":
                 state["status"], state["started"] = message["status"], True
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
             await send(message)
 
         limit = self.s.max_body_bytes
@@ -314,6 +343,7 @@ class Guard:
         finally:
             self.m.requests.labels(endpoint, str(state["status"])).inc()
             self.m.latency.labels(endpoint).observe(time.perf_counter() - t0)
+            request_id.reset(token)
 
 
 # ----------------------------------------------------------------------------- the app
@@ -602,7 +632,11 @@ def main() -> int:
     before uvicorn's own graceful timeout (2 s later) would cut those requests off."""
     import uvicorn
     global _fatal_hook
-    logging.basicConfig(level=env_text("LOG_LEVEL", "info").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.addFilter(RequestIdFilter())
+    handler.setFormatter(JsonFormatter() if env_text("LOG_FORMAT", "text") == "json" else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"))
+    logging.basicConfig(level=env_text("LOG_LEVEL", "info").upper(), handlers=[handler])
     host, port = env_text("HOST", "127.0.0.1"), env_number("PORT", 8000, int, 0)
     settings = Settings.from_env()
     app = create_app(settings)
@@ -619,7 +653,8 @@ def main() -> int:
     if not settings.api_key and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without an API key: anyone who can reach this port can use the model "
                     "(set API_KEY or API_KEY_FILE)", host)
-    config = uvicorn.Config(app, host=host, port=port, log_level=env_text("LOG_LEVEL", "info").lower(),
+    # log_config=None: uvicorn's own lines go through the handler above (request ids, JSON)
+    config = uvicorn.Config(app, host=host, port=port, log_level=env_text("LOG_LEVEL", "info").lower(), log_config=None,
                             timeout_graceful_shutdown=int(drain) + 2, access_log=env_text("ACCESS_LOG", "0") == "1",
                             http=header_timeout_protocol(settings.header_timeout_s),
                             limit_concurrency=settings.max_connections)

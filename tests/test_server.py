@@ -428,6 +428,26 @@ def test_an_api_key_guards_the_model_and_metrics_but_not_health(tmp_path_factory
         srv.stop()
 
 
+def test_request_ids_are_returned_and_logged(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("ids"), "ids", LOG_LEVEL="info", ACCESS_LOG="1")
+    try:
+        srv.wait_healthy(30)
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            r = c.get("/health", headers={"X-Request-ID": "trace-42.a:b"})
+            assert r.headers["x-request-id"] == "trace-42.a:b"
+            made = c.get("/health").headers["x-request-id"]
+            assert len(made) == 32 and int(made, 16) >= 0  # none given: a new one
+            bad = c.get("/health", headers={"X-Request-ID": "x" * 200}).headers["x-request-id"]
+            assert bad != "x" * 200 and len(bad) == 32  # not an id: replaced, never echoed into logs
+            assert c.post("/decode", content=b"{", headers={"X-Request-ID": "bad-json-1",
+                                                             "content-type": "application/json"}).status_code == 400
+        time.sleep(0.2)
+        log = srv.log_path.read_text()
+        assert "[trace-42.a:b]" in log and "[bad-json-1]" in log and made in log, log[-2000:]
+    finally:
+        srv.stop()
+
+
 def test_markdown_prompt_only_when_spellable(client, test_pages):
     codes = encode(client, test_pages[0].image)["codes"]
     r = client.post("/decode", json={"codes": codes, "prompt": "markdown", "max_tokens": 3})
