@@ -87,6 +87,15 @@ def load(model: OCRModel, pages: int, seed: int, out: Path) -> tuple[torch.Tenso
     return torch.cat(feats)[:pages], texts[:pages]
 
 
+def epoch_batch(pages: int, batch: int, step: int, seed: int) -> list[int]:
+    """Indices of step `step`'s batch over `pages` cached pages: each pass over them (epoch) in a fresh
+    order of its own (seeded by seed + epoch), so a resumed run draws exactly the batches it would have."""
+    span = range(step * batch, (step + 1) * batch)
+    orders = {e: torch.randperm(pages, generator=torch.Generator().manual_seed(seed + e)).tolist()
+              for e in {g // pages for g in span}}
+    return [orders[g // pages][g % pages] for g in span]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="original-layout checkpoint directory")

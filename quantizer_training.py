@@ -24,15 +24,16 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 import features
+from architecture import NUM_CODES
 from checkpoint import OCRModel, file_sha256, load_model
 from encoder import MODES
-from pages import PageSpec, PageStream, load_corpus, split_documents
-from architecture import NUM_CODES
-from pipeline import base_fingerprint
-from quantizer import CrossTokenFSQ, FSQ, ScalarCodes, code_usage
 from evaluation import evaluate, read_pages
 from losses import teacher_forced_logits
 from manifest import code_commit, curve_file, data_record, update_manifest
+from metrics import cer
+from pages import PageSpec, PageStream, load_corpus, split_documents
+from pipeline import base_fingerprint
+from quantizer import CrossTokenFSQ, FSQ, ScalarCodes, code_usage
 from train import cosine_to_tenth
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff")
@@ -77,13 +78,9 @@ class TrainingData:
             self.texts = [f.with_suffix(".txt").read_text().strip() for f in self.files]
             self.record = {"dir": str(args.data), "pages": len(self.files), "draws": args.steps * args.batch}
 
-    def order(self, epoch: int) -> list[int]:
-        return torch.randperm(len(self.texts), generator=torch.Generator().manual_seed(self.args.seed + epoch)).tolist()
-
     def batch(self, step: int) -> tuple[torch.Tensor, list[str]]:
         """Step `step`'s pages: a fresh permutation of all pages each epoch."""
-        n, B = len(self.texts), self.args.batch
-        idx = [self.order(g // n)[g % n] for g in range(step * B, (step + 1) * B)]
+        idx = features.epoch_batch(len(self.texts), self.args.batch, step, self.args.seed)
         if self.args.data == "pages":
             feats = self.features[idx]
         else:
@@ -123,7 +120,6 @@ class Validation:
 
     @torch.inference_mode()
     def __call__(self, q: ScalarCodes | None) -> dict:
-        from metrics import cer
         d = self.model.decoder
         codes = q.encode(self.features) if q is not None else None
         feats = q.decode(codes) if q is not None else self.features

@@ -203,11 +203,7 @@ class BaseTraining:
 
     def cached_batch(self, step: int):
         """A fresh permutation of the cache each epoch."""
-        n, B = len(self.cached_texts), self.args.batch
-        span = range(step * B, (step + 1) * B)
-        orders = {e: torch.randperm(n, generator=torch.Generator().manual_seed(self.args.seed + e)).tolist()
-                  for e in {g // n for g in span}}
-        idx = [orders[g // n][g % n] for g in span]
+        idx = features.epoch_batch(len(self.cached_texts), self.args.batch, step, self.args.seed)
         return self.cached[idx].float(), [self.cached_texts[i] for i in idx]
 
     def learning_rate(self, step: int) -> float:
