@@ -27,7 +27,7 @@ import traceback
 import uuid
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -41,7 +41,7 @@ from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from architecture import BITS_PER_CODE, MAX_LEVEL, NUM_CODES, PACKED_BYTES
-from engine import (Cancelled, DeadlineExceeded, DecodeJob, EncodeJob, Engine, EngineConfig, EngineError, Job,
+from engine import (Cancelled, DeadlineExceeded, Engine, EngineConfig, EngineError, Job,
                     Loading, Overloaded, Unavailable, env_number, env_text)
 from telemetry import Metrics
 
@@ -422,12 +422,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             raise http_error(e) from None
         return engine
 
-    async def run_job(request: Request, engine: Engine, job: Job) -> Any:
-        """Submit a job and wait for it, for the client (a hang-up cancels it) and for its deadline."""
+    async def run_job(request: Request, engine: Engine, submit: Callable[[], Job]) -> Any:
+        """Submit a job (`submit`: one of the engine's submitting calls) and wait for it, for the client
+        (a hang-up cancels it) and for its deadline."""
         try:
-            engine.submit(job)
+            job = submit()
         except EngineError as e:
             raise http_error(e) from None
+        except ValueError as e:  # a request the engine cannot run (e.g. a prompt the model cannot spell)
+            raise ApiError(422, "invalid_request", str(e)) from None
         result = asyncio.wrap_future(job.future)
         gone = asyncio.ensure_future(wait_disconnect(request))
         try:
@@ -476,7 +479,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         data = await read_image_bytes(request, s)
         image = await asyncio.to_thread(open_image, data, s.max_image_pixels)
         try:
-            codes = await run_job(request, engine, EncodeJob(image=image, deadline=engine.deadline()))
+            codes = await run_job(request, engine, lambda: engine.encode(image))
         except ClientGone:
             return error_response(499, "client_closed_request", "the client disconnected")
         from quantizer import pack
@@ -503,12 +506,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                                        f"need exactly {PACKED_BYTES} bytes ({NUM_CODES} codes)")
             from quantizer import unpack
             codes = unpack(raw).astype(np.uint8)
-        if req.prompt not in engine.prompts:
-            raise ApiError(422, "invalid_request", f"prompt {req.prompt!r} is not available for model "
-                                                   f"{engine.pipeline.label!r} (available: {', '.join(engine.prompts)})")
-        job = DecodeJob(codes=codes, prompt=req.prompt, max_tokens=req.max_tokens, deadline=engine.deadline())
         try:
-            result = await run_job(request, engine, job)
+            result = await run_job(request, engine, lambda: engine.decode(codes, req.prompt, req.max_tokens))
         except ClientGone:
             return error_response(499, "client_closed_request", "the client disconnected")
         return DecodeResponse(text=result.text, num_tokens=result.num_tokens, finish_reason=result.finish_reason)
