@@ -24,9 +24,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 import features
-from architecture import NUM_CODES
 from checkpoint import OCRModel, file_sha256, load_model
-from encoder import MODES
 from evaluation import evaluate, read_pages
 from losses import teacher_forced_logits
 from manifest import code_commit, curve_file, data_record, update_manifest
@@ -34,7 +32,7 @@ from metrics import cer
 from pages import PageSpec, PageStream, load_corpus, split_documents
 from pipeline import base_fingerprint
 from quantizer import CrossTokenFSQ, FSQ, ScalarCodes, code_usage
-from train import cosine_to_tenth
+from train import code_fsq, code_geometry, cosine_to_tenth
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff")
 
@@ -51,12 +49,10 @@ def base_digest(model: OCRModel) -> str:
 
 
 def new_quantizer(args, model: OCRModel, mode: str) -> ScalarCodes:
-    """A quantizer with the base's code geometry: one token per 64x64 pixels of the mode's view."""
-    tokens = (MODES[mode][0] // 64) ** 2
-    levels, width = [args.levels] * (NUM_CODES // tokens), model.decoder.cfg.hidden_size
+    """A quantizer with the base's code geometry (train.code_geometry)."""
     if args.kind == "cross_token":
-        return CrossTokenFSQ(width, tokens, levels, args.width, args.depth, args.heads, args.mlp_ratio)
-    return FSQ(width, tokens, levels, args.hidden)
+        return CrossTokenFSQ(*code_geometry(model, mode, args.levels), args.width, args.depth, args.heads, args.mlp_ratio)
+    return code_fsq(model, mode, args.levels, args.hidden)
 
 
 class TrainingData:

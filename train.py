@@ -62,12 +62,18 @@ def fold_bottleneck(model: OCRModel, fsq) -> None:
     layer.weight.copy_(proj @ layer.weight.float())
 
 
-def code_fsq(model: OCRModel, mode: str, levels: int, hidden: int = 0):
-    """An FSQ with this base's code geometry: one token per 64x64 pixels of the mode's view, NUM_CODES codes."""
+def code_geometry(model: OCRModel, mode: str, levels: int) -> tuple[int, int, list[int]]:
+    """This base's code geometry: (embedding width, tokens: one per 64x64 pixels of the mode's view,
+    the levels of each of the NUM_CODES // tokens dimensions a token gets)."""
     from architecture import NUM_CODES
-    from quantizer import FSQ
     tokens = (MODES[mode][0] // 64) ** 2
-    return FSQ(model.decoder.cfg.hidden_size, tokens, [levels] * (NUM_CODES // tokens), hidden)
+    return model.decoder.cfg.hidden_size, tokens, [levels] * (NUM_CODES // tokens)
+
+
+def code_fsq(model: OCRModel, mode: str, levels: int, hidden: int = 0):
+    """A per-token FSQ with this base's code geometry."""
+    from quantizer import FSQ
+    return FSQ(*code_geometry(model, mode, levels), hidden)
 
 
 def prefixed(state: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
