@@ -1,12 +1,26 @@
 """The `ocr-latent` command (installed into .venv by setup.sh).
 
-  ocr-latent serve      # the HTTP service; configuration by environment variable (README "Configuration")
-  ocr-latent train ...  # train.py's commands: base, export, quantizer
+  ocr-latent serve                          # the HTTP service; configuration by environment variable (README)
+  ocr-latent encode page.png -o page.olc    # an image or a PDF -> a codes file, through a running server
+  ocr-latent encode doc.pdf --pages 1-3     # -> doc.olc, one set of 4096 codes per page
+  ocr-latent decode page.olc                # a codes file -> its text on stdout (pages separated by a form feed)
+  ocr-latent decode page.olc --stream       # ... printed as it is generated
+  ocr-latent health                         # the server's /health
+  ocr-latent train ...                      # train.py's commands: base, export, quantizer
+
+encode, decode and health talk to --url (default $OCR_LATENT_URL, else http://127.0.0.1:8000) with
+--api-key (default $OCR_LATENT_API_KEY). Exit status: 0 done, 1 refused or unreachable (the reason
+on stderr), 2 bad usage.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+from pathlib import Path
+
+PAGE_SEPARATOR = "\f\n"  # between pages of decoded text, as pdftotext separates pages
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,15 +29,91 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("serve", help="serve the HTTP API on HOST:PORT (default 127.0.0.1:8000)")
     sub.add_parser("train", help="train.py's commands (ocr-latent train --help)", add_help=False)
+
+    remote = argparse.ArgumentParser(add_help=False)
+    remote.add_argument("--url", default=os.environ.get("OCR_LATENT_URL") or "http://127.0.0.1:8000",
+                        help="the server (default $OCR_LATENT_URL, else http://127.0.0.1:8000)")
+    remote.add_argument("--api-key", default=os.environ.get("OCR_LATENT_API_KEY"),
+                        help="its API key (default $OCR_LATENT_API_KEY)")
+    remote.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for an answer (default 600)")
+    enc = sub.add_parser("encode", parents=[remote], help="an image or PDF -> a codes file (.olc)")
+    enc.add_argument("input", type=Path, help="a page image (PNG, JPEG, WebP, TIFF, BMP) or a PDF")
+    enc.add_argument("-o", "--output", help="the codes file (default INPUT with .olc; - for stdout)")
+    enc.add_argument("--pages", help="PDF pages, 1-based, e.g. 1-3,5 (default all)")
+    dec = sub.add_parser("decode", parents=[remote], help="a codes file -> text on stdout")
+    dec.add_argument("input", help="a codes file (.olc; - for stdin)")
+    dec.add_argument("--prompt", choices=("free", "markdown"), default="free")
+    dec.add_argument("--max-tokens", type=int, default=4096)
+    dec.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    dec.add_argument("--json", action="store_true", help="print the server's answer per page as JSON lines")
+    sub.add_parser("health", parents=[remote], help="the server's /health, as JSON")
+
     args, rest = ap.parse_known_args(argv)
+    if args.cmd == "train":
+        import train
+        train.main(rest)
+        return 0
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "serve":
-        if rest:
-            ap.error(f"serve takes no arguments (configuration is by environment variable): {' '.join(rest)}")
         import server
         return server.main()
-    import train
-    train.main(rest)
+
+    from client import Client, ClientError
+    from codesfile import SUFFIX, CodesFile, CodesFileError
+    try:
+        with Client(args.url, args.api_key, args.timeout) as client:
+            if args.cmd == "health":
+                print(json.dumps(client.health()))
+            elif args.cmd == "encode":
+                data = read_input(args.input)
+                doc = client.encode(data, args.pages)
+                out = args.output or str(args.input.with_suffix(SUFFIX))
+                if out == "-":
+                    sys.stdout.buffer.write(doc.to_bytes())
+                else:
+                    Path(out).write_bytes(doc.to_bytes())
+                    print(f"{out}: {len(doc.pages)} page(s) of 4096 codes, quantizer {doc.quantizer}", file=sys.stderr)
+            else:
+                raw = sys.stdin.buffer.read() if args.input == "-" else read_input(Path(args.input))
+                try:
+                    doc = CodesFile.from_bytes(raw)
+                except CodesFileError as e:
+                    raise SystemExit(f"ocr-latent: {args.input}: {e}") from None
+                decode(client, doc, args)
+    except ClientError as e:
+        print(f"ocr-latent: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `ocr-latent decode x.olc | head`
+        return 0
     return 0
+
+
+def read_input(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise SystemExit(f"ocr-latent: cannot read {path}: {e.strerror or e}") from None
+
+
+def decode(client, doc, args) -> None:
+    out = sys.stdout
+    if args.stream:
+        for i, codes in enumerate(doc.pages):
+            if i:
+                out.write(PAGE_SEPARATOR)
+            final: dict = {}
+            for piece in client.decode_stream(codes, doc.quantizer, args.prompt, args.max_tokens, final):
+                if not args.json:
+                    out.write(piece)
+                    out.flush()
+            out.write(json.dumps({"page": i + 1, **final}) + "\n" if args.json else "\n")
+        return
+    pages = client.decode(doc, args.prompt, args.max_tokens)
+    if args.json:
+        out.writelines(json.dumps(p) + "\n" for p in pages)
+    else:
+        out.write(PAGE_SEPARATOR.join(p["text"] + "\n" for p in pages))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 from PIL import Image
@@ -155,11 +156,16 @@ class EncodeJob(Job):
 
 @dataclass(eq=False, kw_only=True)
 class DecodeJob(Job):
-    """Codes uint8 [NUM_CODES] + a prompt name -> DecodeResult."""
+    """Codes uint8 [NUM_CODES] + a prompt name -> DecodeResult. With `on_text`, the text is also handed
+    over piece by piece as it is generated (called on the worker thread: it must not block); the
+    pieces join into DecodeResult.text."""
     codes: np.ndarray
     prompt: str
     max_tokens: int
+    on_text: Callable[[str], None] | None = None
     seq: object = None  # decoder.Sequence while decoding
+    stream: "TextStream | None" = None
+    prompt_tokens: int = 0
 
 
 @dataclass
@@ -167,6 +173,34 @@ class DecodeResult:
     text: str
     num_tokens: int  # tokens of the text, EOS not counted
     finish_reason: str  # stop | length | repetition
+    prompt_tokens: int = 0  # the decoder's input positions: image tokens and prompt
+
+
+class TextStream:
+    """The text of a growing list of tokens, piece by piece, decoding only the last few tokens each time.
+
+    Pieces join into the final (stripped) text: the bytes of a character split across tokens wait for
+    the rest of it (a trailing U+FFFD), and whitespace at either end waits to see whether text follows."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.start = self.read = 0  # tokens[start:read] decode to the end of `raw`, as context for what follows
+        self.raw, self.sent = "", 0
+
+    def feed(self, tokens: list[int]) -> str:
+        before, now = self.decode(tokens[self.start:self.read]), self.decode(tokens[self.start:])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.raw += now[len(before):]
+            self.start, self.read = self.read, len(tokens)
+        return self._take(self.raw.strip())
+
+    def finish(self, text: str) -> str:
+        """The rest of the final text (as the pipeline detokenises the whole sequence)."""
+        return self._take(text)
+
+    def _take(self, visible: str) -> str:
+        piece, self.sent = visible[self.sent:], max(self.sent, len(visible))
+        return piece
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -212,11 +246,12 @@ class Engine:
         return self.submit(EncodeJob(image=image, deadline=self.deadline(timeout_s)))
 
     def decode(self, codes: np.ndarray, prompt: str = "free", max_tokens: int = 4096,
-               timeout_s: float | None = None) -> DecodeJob:
+               timeout_s: float | None = None, on_text: Callable[[str], None] | None = None) -> DecodeJob:
         if prompt not in self.prompts:
             raise ValueError(f"prompt {prompt!r} is not available for model {self.pipeline.label!r} "
                              f"(available: {', '.join(self.prompts)})")
-        return self.submit(DecodeJob(codes=codes, prompt=prompt, max_tokens=max_tokens, deadline=self.deadline(timeout_s)))
+        return self.submit(DecodeJob(codes=codes, prompt=prompt, max_tokens=max_tokens, on_text=on_text,
+                                     deadline=self.deadline(timeout_s)))
 
     @property
     def prompts(self) -> dict:
@@ -407,6 +442,7 @@ class Engine:
             self.m.queue_wait.labels("decode").observe(now - j.arrived)
             try:
                 inputs.append(self.pipeline.decode_inputs(j.codes, j.prompt))
+                j.prompt_tokens = inputs[-1].shape[0]
                 ok.append(j)
             except Exception as e:  # noqa: BLE001
                 log.error("decode_inputs failed:\n%s", traceback.format_exc())
@@ -424,6 +460,8 @@ class Engine:
         self.m.count_tokens(len(ok))
         for j, seq in zip(ok, seqs):
             j.seq = seq
+            if j.on_text is not None:
+                j.stream = TextStream(self.pipeline.raw_text)
             self.running.append(j)
         self._finish_done()
 
@@ -442,12 +480,22 @@ class Engine:
         self.m.count_tokens(n)
         self._finish_done()
 
+    def _send_text(self, job: DecodeJob, piece: str) -> None:
+        if piece and not job.cancelled:
+            try:
+                job.on_text(piece)
+            except Exception:  # noqa: BLE001 - the listener is gone (e.g. its event loop closed)
+                log.warning("text listener failed; cancelling its job:\n%s", traceback.format_exc())
+                job.cancelled = True
+
     def _finish_done(self) -> None:
         still = []
         for j in self.running:
             seq = j.seq
             if seq.finish_reason is None:
                 still.append(j)
+                if j.stream is not None:
+                    self._send_text(j, j.stream.feed(seq.tokens))
                 continue
             self.gen.drop(seq)
             try:
@@ -457,7 +505,9 @@ class Engine:
                 continue
             n = len(seq.tokens) - (1 if seq.finish_reason == "stop" else 0)
             self.m.finish.labels(seq.finish_reason).inc()
-            self._resolve(j, DecodeResult(text, n, seq.finish_reason))
+            if j.stream is not None:
+                self._send_text(j, j.stream.finish(text))
+            self._resolve(j, DecodeResult(text, n, seq.finish_reason, j.prompt_tokens))
         self.running = still
         self.m.active.set(len(self.running))
 

@@ -48,6 +48,8 @@ def default_prefill_dtype(device: str, dtype: str) -> str:
 class Pipeline:
     def __init__(self, model: OCRModel, quantizer: ScalarCodes, mode: str, label: str, revision: str,
                  prefill_dtype: str | None = None):
+        # what the codes mean (codes files carry it): taken before the quantizer moves to the device
+        self.quantizer_fingerprint = quantizer.fingerprint(base_fingerprint(model))
         self.model, self.quantizer, self.mode = model, quantizer.to(model.encoder.projector.layers.weight.device), mode
         self.label, self.revision = label, revision
         decoder = model.decoder
@@ -82,6 +84,10 @@ class Pipeline:
 
     def text(self, tokens: list[int]) -> str:
         return self.model.detokenize(tokens)
+
+    def raw_text(self, tokens: list[int]) -> str:
+        """Tokens as they are, unstripped (pieces of a text being streamed)."""
+        return self.model.tokenizer.decode(tokens, skip_special_tokens=False)
 
 
 def load_quantizer(path: Path, model: OCRModel, model_dir: str | Path = "MODEL_DIR") -> tuple[ScalarCodes, dict]:

@@ -13,6 +13,7 @@ Only the quantizer learns; the base stays frozen.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -70,6 +71,16 @@ class ScalarCodes(nn.Module):
         path = Path(path)
         save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(path))
         path.with_suffix(".json").write_text(json.dumps({**meta, **self.geometry()}, indent=1) + "\n")
+
+    def fingerprint(self, base_fingerprint: str) -> str:
+        """16 hex digits naming what codes mean: this quantizer's geometry and weights, and the base it
+        was trained for. Codes files (codesfile.py) carry it, so codes are never decoded by another one."""
+        h = hashlib.sha256(json.dumps({**self.geometry(), "base_fingerprint": base_fingerprint}, sort_keys=True).encode())
+        for name, t in sorted(self.state_dict().items()):
+            t = t.detach().float().cpu().contiguous()
+            h.update(f"{name}:{tuple(t.shape)}".encode())
+            h.update(t.numpy().tobytes())
+        return h.hexdigest()[:16]
 
     @classmethod
     def load(cls, path: str | Path) -> tuple["ScalarCodes", dict]:

@@ -30,18 +30,20 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from PIL import Image
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 from starlette.datastructures import UploadFile
 from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from architecture import BITS_PER_CODE, MAX_LEVEL, NUM_CODES, PACKED_BYTES
-from engine import (Cancelled, DeadlineExceeded, Engine, EngineConfig, EngineError, Job,
+from codesfile import FINGERPRINT, MEDIA_TYPE as CODES_MEDIA_TYPE, CodesFile, CodesFileError, looks_like_codes_file
+from documents import DocumentError, looks_like_pdf, render_pdf
+from engine import (Cancelled, DeadlineExceeded, DecodeResult, Engine, EngineConfig, EngineError, Job,
                     Loading, Overloaded, Unavailable, env_number, env_text)
 from telemetry import Metrics
 
@@ -51,6 +53,8 @@ log = logging.getLogger("ocr_latent.server")
 # JPEGs). Formats outside this list (EPS, which shells out to Ghostscript, PSD, ICO, ...) are a 415.
 IMAGE_FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "TIFF", "BMP")
 ENDPOINTS = ("/health", "/encode", "/decode", "/metrics")
+MAX_TOKENS = 8192
+PAGES_PATTERN = r"^\s*\d+\s*(-\s*\d*\s*)?(,\s*\d+\s*(-\s*\d*\s*)?)*$"  # documents.parse_pages
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -63,6 +67,7 @@ class Settings:
     header_timeout_s: float = 10.0  # HEADER_TIMEOUT_S: a connection must send a whole request head within this
     max_connections: int = 1000  # MAX_CONNECTIONS: beyond this many open connections, requests get a 503
     api_key: str | None = None  # API_KEY or API_KEY_FILE: bearer token required on /encode, /decode, /metrics
+    max_pages: int = 32  # MAX_PAGES: pages of a PDF encoded, or of a codes file decoded, per request -> 413
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -77,7 +82,8 @@ class Settings:
         return cls(engine=EngineConfig.from_env(), max_body_bytes=env_number("MAX_BODY_BYTES", 20_000_000, int, 1),
                    max_image_pixels=env_number("MAX_IMAGE_PIXELS", 40_000_000, int, 1),
                    header_timeout_s=env_number("HEADER_TIMEOUT_S", 10.0, float, 0.1),
-                   max_connections=env_number("MAX_CONNECTIONS", 1000, int, 1), api_key=api_key)
+                   max_connections=env_number("MAX_CONNECTIONS", 1000, int, 1), api_key=api_key,
+                   max_pages=env_number("MAX_PAGES", 32, int, 1))
 
 
 # ----------------------------------------------------------------------------- API models
@@ -87,12 +93,34 @@ class EncodeRequest(BaseModel):
                                          "(data:image/png;base64,...)")
 
 
+QUANTIZER_FIELD = Field(description="fingerprint of the quantizer that made the codes (16 hex digits); codes "
+                                    "decode correctly only with the same one", pattern=FINGERPRINT.pattern)
+
+
 class EncodeResponse(BaseModel):
+    """One image's codes."""
     codes: list[int] = Field(description="4096 codes, each 0..15")
     codes_b64: str = Field(description="the codes packed two per byte (first code in the high nibble), "
                                        "2048 bytes, base64")
     num_codes: int = NUM_CODES
     bits_per_code: int = BITS_PER_CODE
+    quantizer: str = QUANTIZER_FIELD
+    mode: str = Field(description="the view mode the page was encoded in")
+
+
+class PageCodes(BaseModel):
+    page: int = Field(description="page number in the document, from 1")
+    codes: list[int] = Field(description="4096 codes, each 0..15")
+    codes_b64: str = Field(description="the codes packed, 2048 bytes, base64")
+
+
+class EncodePagesResponse(BaseModel):
+    """A PDF's codes, one set per page."""
+    pages: list[PageCodes]
+    num_codes: int = NUM_CODES
+    bits_per_code: int = BITS_PER_CODE
+    quantizer: str = QUANTIZER_FIELD
+    mode: str
 
 
 class DecodeRequest(BaseModel):
@@ -103,9 +131,18 @@ class DecodeRequest(BaseModel):
                                                              "items": {"type": "integer", "minimum": 0, "maximum": MAX_LEVEL}})
     codes_b64: StrictStr | None = Field(None, description=f"{PACKED_BYTES} packed bytes as base64, as /encode returns them",
                                         json_schema_extra={"contentEncoding": "base64"})
-    prompt: Literal["free", "markdown"] = Field("free", description='"free": <image>\\nFree OCR.; "markdown": '
-                                                "<image>\\n<|grounding|>Convert the document to markdown.")
-    max_tokens: StrictInt = Field(4096, ge=1, le=8192, description="most tokens to generate (EOS included)")
+    prompt: Literal["free", "markdown"] | None = Field(None, description='"free" (the default): <image>\\nFree OCR.; '
+                                                       '"markdown": <image>\\n<|grounding|>Convert the document to markdown. '
+                                                       "Overrides the query parameter.")
+    max_tokens: StrictInt | None = Field(None, ge=1, le=MAX_TOKENS, description="most tokens to generate (EOS "
+                                                                            "included; default 4096); overrides the "
+                                                                            "query parameter")
+    quantizer: StrictStr | None = Field(None, pattern=FINGERPRINT.pattern,
+                                        description="the fingerprint /encode returned with these codes: a 409 when it "
+                                                    "is not this server's quantizer (instead of wrong text)")
+    stream: StrictBool = Field(False, description="answer text/event-stream: `delta` events ({text}) as the text "
+                                                  "is generated, then one `done` event ({text, num_tokens, "
+                                                  "prompt_tokens, finish_reason}) or `error` event ({error})")
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -125,6 +162,17 @@ class DecodeResponse(BaseModel):
     num_tokens: int = Field(description="tokens of the text, the end-of-sequence token not counted; "
                                         "== max_tokens when finish_reason is length")
     finish_reason: Literal["stop", "length", "repetition"]
+    prompt_tokens: int = Field(description="the decoder's input positions: image tokens and prompt")
+
+
+class PageText(DecodeResponse):
+    page: int = Field(description="page number in the codes file, from 1")
+
+
+class DecodePagesResponse(BaseModel):
+    """A codes file's pages, read."""
+    pages: list[PageText]
+    quantizer: str = QUANTIZER_FIELD
 
 
 class HealthResponse(BaseModel):
@@ -134,6 +182,8 @@ class HealthResponse(BaseModel):
     codes_per_image: int = NUM_CODES
     bits_per_code: int = BITS_PER_CODE
     device: str
+    quantizer: str = QUANTIZER_FIELD
+    mode: str = Field(description="the view mode pages are encoded in")
 
 
 class LoadingResponse(BaseModel):
@@ -169,7 +219,8 @@ def error_response(status: int, type: str, message: str, headers: dict | None = 
     return JSONResponse({"error": {"type": type, "message": message}}, status_code=status, headers=headers)
 
 
-HTTP_ERROR_TYPES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large",
+HTTP_ERROR_TYPES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 406: "not_acceptable",
+                    413: "payload_too_large",
                     415: "unsupported_media_type", 422: "invalid_request", 503: "unavailable"}
 
 
@@ -374,7 +425,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             await asyncio.to_thread(engine.stop)
 
-    errors = {code: {"model": ErrorResponse} for code in (400, 413, 415, 422, 503, 504)}
+    errors = {code: {"model": ErrorResponse} for code in (400, 401, 413, 415, 422, 503, 504)}
     # redirect_slashes off: "/decode/" is a 404, not a redirect built from the client's Host header
     app = FastAPI(title="ocr-latent", version="0.1.0", lifespan=lifespan, redirect_slashes=False,
                   description="Document image -> 4096 four-bit codes -> page text (DeepSeek-OCR architecture).")
@@ -422,42 +473,64 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             raise http_error(e) from None
         return engine
 
-    async def run_job(request: Request, engine: Engine, submit: Callable[[], Job]) -> Any:
-        """Submit a job (`submit`: one of the engine's submitting calls) and wait for it, for the client
-        (a hang-up cancels it) and for its deadline."""
+    async def run_jobs(request: Request, engine: Engine, submits: list[Callable[[], Job]]) -> list[Any]:
+        """Submit jobs (each `submit` one of the engine's submitting calls) and wait for all of them, for
+        the client (a hang-up cancels them) and for their deadline. One refused job refuses the request."""
+        jobs: list[Job] = []
         try:
-            job = submit()
-        except EngineError as e:
-            raise http_error(e) from None
-        except ValueError as e:  # a request the engine cannot run (e.g. a prompt the model cannot spell)
-            raise ApiError(422, "invalid_request", str(e)) from None
-        result = asyncio.wrap_future(job.future)
+            for submit in submits:
+                jobs.append(submit())
+        except (EngineError, ValueError) as e:
+            for job in jobs:
+                engine.cancel(job)
+            if isinstance(e, EngineError):
+                raise http_error(e) from None
+            raise ApiError(422, "invalid_request", str(e)) from None  # e.g. a prompt the model cannot spell
+        results = [asyncio.wrap_future(job.future) for job in jobs]
         gone = asyncio.ensure_future(wait_disconnect(request))
         try:
-            done, _ = await asyncio.wait({result, gone}, timeout=max(0.0, job.deadline - time.monotonic()),
-                                         return_when=asyncio.FIRST_COMPLETED)
+            pending, deadline = set(results), max(job.deadline for job in jobs)
+            while pending and not gone.done():
+                done, pending = await asyncio.wait(pending | {gone}, timeout=max(0.0, deadline - time.monotonic()),
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                pending.discard(gone)
+                if not done or any(f is not gone and f.exception() is not None for f in done):
+                    break  # timed out, or one failed: the request fails as a whole
         finally:
             gone.cancel()
-            if not result.done():  # timed out, client gone, or this task cancelled
-                engine.cancel(job)
-                result.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning
-        if result.done():
-            try:
-                return result.result()
-            except EngineError as e:
-                raise http_error(e) from None
-        if gone in done:
+            for job, result in zip(jobs, results):
+                if not result.done():  # timed out, client gone, a sibling failed, or this task cancelled
+                    engine.cancel(job)
+                    result.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning
+        for result in results:
+            if result.done() and result.exception() is not None:
+                e = result.exception()
+                raise http_error(e) if isinstance(e, EngineError) else e
+        if all(r.done() for r in results):
+            return [r.result() for r in results]
+        if gone.done():
             raise ClientGone()
         raise http_error(engine.deadline_error())
 
+    def check_quantizer(engine: Engine, fingerprint: str | None) -> None:
+        own = engine.pipeline.quantizer_fingerprint
+        if fingerprint is not None and fingerprint != own:
+            raise ApiError(409, "quantizer_mismatch",
+                           f"these codes were made by quantizer {fingerprint}; this server decodes codes of quantizer "
+                           f"{own} and would read other codes as wrong text: decode them on the server that made them "
+                           f"(or encode the page again here)")
+
     # ------------------------------------------------------------------ endpoints
-    @app.api_route("/health", methods=["GET", "HEAD"], response_model=HealthResponse,  # load balancers use HEAD
-             responses={503: {"model": LoadingResponse, "description": "loading (or failed to load)"}})
-    async def health(request: Request):
+    health_answers = {503: {"model": LoadingResponse, "description": "loading (or failed to load)"}}
+
+    @app.head("/health", response_model=HealthResponse, responses=health_answers, operation_id="health_head")
+    @app.get("/health", response_model=HealthResponse, responses=health_answers, operation_id="health")
+    async def health(request: Request):  # HEAD too: load balancers use it
         engine: Engine = request.app.state.engine
         if engine.ready:
             p = engine.pipeline
-            return HealthResponse(status="ok", model=p.label, revision=p.revision, device=p.device)
+            return HealthResponse(status="ok", model=p.label, revision=p.revision, device=p.device,
+                                  quantizer=p.quantizer_fingerprint, mode=p.mode)
         if engine.failed:
             return JSONResponse({"status": "failed", "error": {"type": "startup_failed",
                                                                "message": engine.failed.splitlines()[0]}},
@@ -465,38 +538,82 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return JSONResponse({"status": "loading"}, status_code=503,
                             headers={"Retry-After": str(s.engine.loading_retry_after_s)})
 
+    binary = {"schema": {"type": "string", "format": "binary"}}
     encode_body = {"requestBody": {"required": True, "content": {
         "application/json": {"schema": EncodeRequest.model_json_schema()},
         "multipart/form-data": {"schema": {"type": "object", "required": ["image"], "properties": {
-            "image": {"type": "string", "format": "binary", "description": "the image file"}}}},
-        "image/*": {"schema": {"type": "string", "format": "binary"}}}}}
+            "image": {"type": "string", "format": "binary", "description": "the image or PDF file"}}}},
+        **{t: binary for t in ("image/png", "image/jpeg", "image/webp", "image/tiff", "image/bmp", "application/pdf",
+                               "application/octet-stream")}}}}
+    encode_answers = {**errors, 200: {"content": {CODES_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+                                      "description": "JSON; or with format=olc (or that Accept), a codes file"}}
 
-    @app.post("/encode", response_model=EncodeResponse, responses=errors, openapi_extra=encode_body)
-    async def encode(request: Request):
-        """A page image -> 4096 codes. JSON {"image": base64 or data URL}, multipart field `image`, or
-        the raw image bytes with an image/* Content-Type."""
+    @app.post("/encode", response_model=EncodeResponse | EncodePagesResponse, responses=encode_answers,
+              openapi_extra=encode_body)
+    async def encode(request: Request,
+                     format: Literal["json", "olc"] | None = Query(None, description=(
+                         "json: codes in JSON (the default); olc: a codes file (docs/codes-file.md), as the Accept "
+                         f"header {CODES_MEDIA_TYPE} also asks")),
+                     pages: str | None = Query(None, max_length=200, pattern=PAGES_PATTERN, description=(
+                         "PDFs only: the pages to encode, 1-based, e.g. 1-3,5 or 2- (default all, at most MAX_PAGES)"))):
+        """A page image -> 4096 codes; a PDF -> 4096 codes per page. The image or PDF comes as JSON
+        {"image": base64 or data URL}, as multipart field `image`, or as the raw bytes with their
+        Content-Type. The answer names the quantizer that made the codes."""
         engine = engine_of(request)
+        as_file = format == "olc" or format is None and CODES_MEDIA_TYPE in request.headers.get("accept", "")
         data = await read_image_bytes(request, s)
-        image = await asyncio.to_thread(open_image, data, s.max_image_pixels)
+        p = engine.pipeline
+        if looks_like_pdf(data):
+            try:
+                rendered = await asyncio.to_thread(render_pdf, data, p.mode, pages, s.max_pages)
+            except DocumentError as e:
+                raise ApiError(e.status, "payload_too_large" if e.status == 413 else
+                               "unsupported_media_type" if e.status == 415 else "invalid_document", str(e)) from None
+            numbers, images = [n for n, _ in rendered], [im for _, im in rendered]
+        else:
+            if pages is not None:
+                raise ApiError(422, "invalid_request", "pages= selects pages of a PDF; this is a single image")
+            numbers, images = [1], [await asyncio.to_thread(open_image, data, s.max_image_pixels)]
         try:
-            codes = await run_job(request, engine, lambda: engine.encode(image))
+            codes = await run_jobs(request, engine, [lambda im=im: engine.encode(im) for im in images])
         except ClientGone:
             return error_response(499, "client_closed_request", "the client disconnected")
+        if as_file:
+            return Response(CodesFile(p.quantizer_fingerprint, p.mode, codes).to_bytes(), media_type=CODES_MEDIA_TYPE)
         from quantizer import pack
-        return EncodeResponse(codes=codes.tolist(), codes_b64=base64.b64encode(pack(codes)).decode())
+        packed = [base64.b64encode(pack(c)).decode() for c in codes]
+        if looks_like_pdf(data):
+            return EncodePagesResponse(pages=[PageCodes(page=n, codes=c.tolist(), codes_b64=b)
+                                              for n, c, b in zip(numbers, codes, packed)],
+                                       quantizer=p.quantizer_fingerprint, mode=p.mode)
+        return EncodeResponse(codes=codes[0].tolist(), codes_b64=packed[0], quantizer=p.quantizer_fingerprint, mode=p.mode)
 
     decode_body = {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": DecodeRequest.model_json_schema()}}}}
+        "application/json": {"schema": DecodeRequest.model_json_schema()},
+        CODES_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary",
+                                      "description": "a codes file (docs/codes-file.md), as /encode?format=olc returns"}}}}}
+    decode_answers = {**errors, 409: {"model": ErrorResponse, "description": "codes of another quantizer"},
+                      200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+                            "description": "JSON; with stream=true, server-sent events"}}
 
-    @app.post("/decode", response_model=DecodeResponse, responses=errors, openapi_extra=decode_body)
-    async def decode(request: Request):
-        """4096 codes (`codes` or `codes_b64`) -> the page's text, greedy."""
+    @app.post("/decode", response_model=DecodeResponse | DecodePagesResponse, responses=decode_answers,
+              openapi_extra=decode_body)
+    async def decode(request: Request,
+                     prompt: Literal["free", "markdown"] = Query("free", description="as the JSON field prompt"),
+                     max_tokens: int = Query(4096, ge=1, le=MAX_TOKENS, description="as the JSON field max_tokens")):
+        """Codes -> the page's text, greedy. JSON with `codes` or `codes_b64` (one page; `stream` for
+        server-sent events), or a codes file as the raw body (every page; refused with a 409 when another
+        quantizer made it)."""
         engine = engine_of(request)
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype in (CODES_MEDIA_TYPE, "application/octet-stream"):
+            return await decode_file(request, engine, await request.body(), prompt, max_tokens)
         body = await read_json(request)
         try:
             req = DecodeRequest.model_validate(body)
         except ValidationError as e:
             raise ApiError(422, "invalid_request", validation_message(e)) from None
+        check_quantizer(engine, req.quantizer)
         if req.codes is not None:
             codes = np.asarray(req.codes, dtype=np.uint8)
         else:
@@ -506,11 +623,80 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                                        f"need exactly {PACKED_BYTES} bytes ({NUM_CODES} codes)")
             from quantizer import unpack
             codes = unpack(raw).astype(np.uint8)
+        prompt, max_tokens = req.prompt or prompt, req.max_tokens or max_tokens
+        if req.stream:
+            return stream_decode(request, engine, codes, prompt, max_tokens)
         try:
-            result = await run_job(request, engine, lambda: engine.decode(codes, req.prompt, req.max_tokens))
+            [result] = await run_jobs(request, engine, [lambda: engine.decode(codes, prompt, max_tokens)])
         except ClientGone:
             return error_response(499, "client_closed_request", "the client disconnected")
-        return DecodeResponse(text=result.text, num_tokens=result.num_tokens, finish_reason=result.finish_reason)
+        return DecodeResponse(text=result.text, num_tokens=result.num_tokens, finish_reason=result.finish_reason,
+                              prompt_tokens=result.prompt_tokens)
+
+    async def decode_file(request: Request, engine: Engine, data: bytes, prompt: str, max_tokens: int):
+        try:
+            doc = CodesFile.from_bytes(data)
+        except CodesFileError as e:
+            raise ApiError(422, "invalid_codes_file", str(e)) from None
+        check_quantizer(engine, doc.quantizer)
+        if not doc.pages:
+            raise ApiError(422, "invalid_codes_file", "the codes file holds no pages")
+        if len(doc.pages) > s.max_pages:
+            raise ApiError(413, "payload_too_large", f"the codes file holds {len(doc.pages)} pages; at most "
+                                                     f"{s.max_pages} per request (MAX_PAGES)")
+        try:
+            results = await run_jobs(request, engine, [lambda c=c: engine.decode(c, prompt, max_tokens)
+                                                       for c in doc.pages])
+        except ClientGone:
+            return error_response(499, "client_closed_request", "the client disconnected")
+        return DecodePagesResponse(quantizer=doc.quantizer, pages=[
+            PageText(page=i + 1, text=r.text, num_tokens=r.num_tokens, finish_reason=r.finish_reason,
+                     prompt_tokens=r.prompt_tokens) for i, r in enumerate(results)])
+
+    def stream_decode(request: Request, engine: Engine, codes: np.ndarray, prompt: str, max_tokens: int):
+        """Server-sent events: `delta` {text} as the text grows, then `done` {text, num_tokens, prompt_tokens,
+        finish_reason} or `error` {error}. A client that leaves cancels the job."""
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue[str] = asyncio.Queue()
+        try:
+            job = engine.decode(codes, prompt, max_tokens, on_text=lambda piece: loop.call_soon_threadsafe(
+                pieces.put_nowait, piece))
+        except EngineError as e:
+            raise http_error(e) from None
+        except ValueError as e:
+            raise ApiError(422, "invalid_request", str(e)) from None
+
+        def event(name: str, data: dict) -> bytes:
+            return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+
+        async def events():
+            result = asyncio.wrap_future(job.future)
+            try:
+                while not result.done():
+                    piece = asyncio.ensure_future(pieces.get())
+                    done, _ = await asyncio.wait({piece, result}, timeout=max(0.0, job.deadline - time.monotonic()),
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    if piece in done:
+                        yield event("delta", {"text": piece.result()})
+                    else:
+                        piece.cancel()
+                        if not done:
+                            raise http_error(engine.deadline_error())
+                while not pieces.empty():  # the last pieces are queued before the result is set
+                    yield event("delta", {"text": pieces.get_nowait()})
+                r: DecodeResult = result.result()
+                yield event("done", {"text": r.text, "num_tokens": r.num_tokens, "prompt_tokens": r.prompt_tokens,
+                                     "finish_reason": r.finish_reason})
+            except (EngineError, ApiError) as e:
+                err = http_error(e) if isinstance(e, EngineError) else e
+                yield event("error", {"error": {"type": err.type, "message": err.message}})
+            finally:
+                if not job.future.done():  # the client left (or this server is stopping)
+                    engine.cancel(job)
+                result.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
     async def prometheus_metrics():
@@ -546,6 +732,7 @@ async def read_json(request: Request) -> Any:
 
 
 async def read_image_bytes(request: Request, s: Settings) -> bytes:
+    """The image's (or PDF's) bytes, whichever way they came: multipart, raw, or base64 in JSON."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype == "multipart/form-data":
         async with request.form(max_files=4, max_fields=16, max_part_size=s.max_body_bytes) as form:
@@ -558,7 +745,7 @@ async def read_image_bytes(request: Request, s: Settings) -> bytes:
                     raise ApiError(415, "unsupported_media_type", "image file is empty")
                 return data
             return image_bytes_from_string(item)
-    if ctype.startswith("image/") or ctype == "application/octet-stream":
+    if ctype.startswith("image/") or ctype in ("application/pdf", "application/octet-stream"):
         data = await request.body()
         if not data:
             raise ApiError(415, "unsupported_media_type", "request body is empty")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import os
 import shutil
 import signal
@@ -193,7 +194,8 @@ def test_health_reports_loading_then_ok(server, client):
     r = client.get("/health")
     assert r.status_code == 200
     assert r.json() == {"status": "ok", "model": "nano", "revision": r.json()["revision"], "codes_per_image": 4096,
-                        "bits_per_code": 4, "device": "cpu"}
+                        "bits_per_code": 4, "device": "cpu", "mode": "base", "quantizer": r.json()["quantizer"]}
+    assert re.fullmatch(r"[0-9a-f]{16}", r.json()["quantizer"])
     assert isinstance(r.json()["revision"], str) and r.json()["revision"]
 
 

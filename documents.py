@@ -1,0 +1,103 @@
+"""PDF pages as page images, rendered with PDFium (pypdfium2) at the size the encoder's view mode takes.
+
+PDFium is not thread-safe, not even across documents: every call into it, closing included, runs
+under one process-wide lock. Rendering is sized from the page's own dimensions, so a hostile page
+size cannot make a huge bitmap.
+"""
+from __future__ import annotations
+
+import re
+import threading
+
+from PIL import Image
+
+from encoder import MODES
+
+PDF_MAGIC = b"%PDF-"
+_pdfium_lock = threading.Lock()
+
+
+class DocumentError(ValueError):
+    """A PDF that cannot be read, or a page selection that does not fit it; the message says which."""
+
+    def __init__(self, message: str, status: int = 422):
+        super().__init__(message)
+        self.status = status
+
+
+def looks_like_pdf(data: bytes) -> bool:
+    # the header may follow up to 1 KiB of junk (PDF 1.7, annex H.3); PDFium accepts that too
+    return PDF_MAGIC in data[:1024]
+
+
+def parse_pages(spec: str | None, count: int) -> list[int]:
+    """ "1-3,5" -> [0, 1, 2, 4] (1-based, inclusive ranges, in the order given); None or "" -> all pages.
+    "3-" runs to the last page."""
+    if spec is None or not spec.strip():
+        return list(range(count))
+    out: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d{1,9})\s*(?:(-)\s*(\d{1,9})?\s*)?", part)
+        if not m:
+            raise DocumentError(f"pages={spec!r}: use page numbers and ranges like 1-3,5 (1-based)", 422)
+        first = int(m.group(1))
+        last = (int(m.group(3)) if m.group(3) else count) if m.group(2) else first
+        if first < 1 or last < first:
+            raise DocumentError(f"pages={spec!r}: {part.strip()!r} is not a range of pages from 1 up", 422)
+        if last > count:
+            raise DocumentError(f"pages={spec!r}: the document has {count} page(s)", 422)
+        out.extend(range(first - 1, last))
+    return out
+
+
+def page_count(data: bytes) -> int:
+    with _pdfium_lock:
+        pdf = _open(data)
+        try:
+            return len(pdf)
+        finally:
+            pdf.close()
+
+
+def render_pdf(data: bytes, mode: str, pages: str | None = None, max_pages: int = 32) -> list[tuple[int, Image.Image]]:
+    """PDF bytes -> [(page number, 1-based; RGB image)] for the selected pages, each rendered so that its
+    longer side is the mode's view size (white background, as printed)."""
+    size = MODES[mode][0]
+    with _pdfium_lock:
+        pdf = _open(data)
+        try:
+            count = len(pdf)
+            if count == 0:
+                raise DocumentError("the PDF has no pages", 422)
+            chosen = parse_pages(pages, count)
+            if len(chosen) > max_pages:
+                raise DocumentError(f"{len(chosen)} pages selected; at most {max_pages} per request (MAX_PAGES): "
+                                    f"choose some with pages=, e.g. pages=1-{max_pages}", 413)
+            out = []
+            for index in chosen:
+                page = pdf[index]
+                try:
+                    width, height = page.get_size()  # points, rotation applied
+                    if not (width > 0 and height > 0):
+                        raise DocumentError(f"page {index + 1} has no area ({width}x{height} points)", 422)
+                    bitmap = page.render(scale=size / max(width, height), fill_color=(255, 255, 255, 255))
+                    try:
+                        image = bitmap.to_pil().convert("RGB")
+                    finally:
+                        bitmap.close()
+                finally:
+                    page.close()
+                out.append((index + 1, image))
+            return out
+        finally:
+            pdf.close()
+
+
+def _open(data: bytes):
+    import pypdfium2 as pdfium
+    try:
+        return pdfium.PdfDocument(data)
+    except pdfium.PdfiumError as e:
+        if "password" in str(e).lower():
+            raise DocumentError("the PDF is encrypted; send a decrypted copy", 422) from None
+        raise DocumentError(f"not a readable PDF: {e}", 415) from None
