@@ -1,19 +1,43 @@
-"""DeepSeek-OCR's language model (DeepSeek-V2-style MoE, "DeepSeek3B-MoE") with a batched KV cache.
+"""DeepSeek-OCR's language model (DeepSeek-V2-style MoE, "DeepSeek3B-MoE") with a fixed-size batched KV cache.
 
 Facts from deepseek-ocr-facts.md §4-6: plain MHA with full-head rotate-half RoPE (theta 1e4),
 layer 0 a dense SwiGLU, then MoE layers (fp32 softmax router, greedy top-k without
 renormalisation, shared experts added), RMSNorm eps 1e-6, untied lm_head. Expert weights are
 stacked ([E, I, H]) so one grouped GEMM runs all experts without a Python loop or host sync;
 checkpoint.py converts between these and the original per-expert keys.
+
+Decoding is shaped for accelerators and runs the same code on a CPU (docs/gpu.md): the KV cache is
+allocated once from a token budget; a decode step's shapes are fixed by (rows, attended length), its
+inputs stay on the device and it copies one thing back (the new tokens), so on CUDA each shape is
+captured once as a CUDA graph and replayed.
 """
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+_DETERMINISTIC = False
+
+
+def set_deterministic(on: bool = True) -> None:
+    """Decoding whose tokens depend on nothing but the sequence (not on what else is in the batch, nor on
+    the run): every decode step runs all slots over the whole slot length, prompts are prefilled one at
+    a time, and the MoE of a step computes each row on its own (no grouped GEMM, whose per-expert row
+    counts depend on the other rows), with torch's deterministic kernels. Slower; for tests and audits."""
+    global _DETERMINISTIC
+    _DETERMINISTIC = on
+    if on:  # cuBLAS is deterministic only with a fixed workspace (read when its handle is created)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on)
+
+
+def deterministic() -> bool:
+    return _DETERMINISTIC
 
 
 @dataclass
@@ -31,6 +55,7 @@ class DecoderConfig:
     routed_scaling_factor: float = 1.0
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 8192  # RoPE table length, and the longest sequence a generator holds
 
     @classmethod
     def from_config(cls, cfg: dict) -> "DecoderConfig":
@@ -52,12 +77,12 @@ class RMSNorm(nn.Module):
         return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-def rope_tables(positions: Tensor, d: int, theta: float, dtype) -> tuple[Tensor, Tensor]:
-    """cos, sin [B,1,T,d] of Llama rotate-half RoPE over the whole head, positions [B,T]."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=positions.device, dtype=torch.float32) / d)
-    freqs = positions.float()[..., None] * inv_freq  # [B,T,d/2]
-    emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B,1,T,d]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+def rope_table(length: int, d: int, theta: float, device) -> tuple[Tensor, Tensor]:
+    """fp32 cos, sin [length, d] of Llama rotate-half RoPE over the whole head, for positions 0..length-1."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
+    freqs = torch.arange(length, device=device, dtype=torch.float32)[:, None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -65,32 +90,42 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-class KVCache(nn.Module):
-    """Keys/values for `slots` independent sequences, each at its own length.
+class KVCache:
+    """Keys/values of `slots` sequences of up to `length` positions each, allocated once, never resized.
 
-    A sequence owns one slot from prefill until it is dropped; its entries are never touched by
-    the others, so sequences join and leave a running batch freely. Capacity grows on demand."""
+    A sequence owns one slot from prefill until it is dropped; its entries are never touched by the
+    others, so sequences join and leave a running batch freely. A decode step's row i is slot i, so it
+    reads the cache in place (the generator keeps its sequences in slots 0..n-1).
 
-    def __init__(self, layers: int, slots: int, heads: int, head_dim: int, dtype, device, capacity: int = 256):
-        super().__init__()
-        self.k = torch.zeros(layers, slots, heads, capacity, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+    On a CPU the tensors start uninitialised, so the OS maps their pages only as positions are first
+    reached: a budget of many slots x positions costs memory as far as sequences actually go, as the
+    old growing cache did. Positions are zeroed (`ensure`) before anything reads them: a masked
+    position gets probability 0, but 0 x a garbage NaN is NaN. A GPU commits the memory anyway, so
+    there it is zeroed at once (and nothing runs between the steps of a captured graph)."""
 
-    def reserve(self, length: int) -> None:
-        if length > self.k.shape[3]:
-            grow = max(length, 2 * self.k.shape[3]) - self.k.shape[3]
-            pad = lambda t: F.pad(t, (0, 0, 0, grow))
-            self.k, self.v = pad(self.k), pad(self.v)
+    def __init__(self, layers: int, slots: int, heads: int, head_dim: int, length: int, dtype, device):
+        device = torch.device(device)
+        lazy = device.type == "cpu"
+        make = torch.empty if lazy else torch.zeros
+        self.k = make(layers, slots, heads, length, head_dim, dtype=dtype, device=device)
+        self.v = make(layers, slots, heads, length, head_dim, dtype=dtype, device=device)
+        self.length = length
+        self.ready = 0 if lazy else length  # positions [0, ready) hold zeros or written entries in every slot
 
-    def update(self, layer: int, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k, v [n,h,T,d] at (slots[n], positions[n,T]); return this layer's whole cache."""
+    def ensure(self, length: int) -> None:
+        """Positions [0, length) of every slot readable (zeroed where never written), before a step reaches them."""
+        if length > self.ready:
+            end = min(self.length, max(length, 2 * self.ready, 64))
+            self.k[:, :, :, self.ready:end].zero_()
+            self.v[:, :, :, self.ready:end].zero_()
+            self.ready = end
+
+    def write(self, layer: int, rows: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        """k, v [n,h,T,d] into slots rows[n] at positions[n,T]."""
         n, h, T, d = k.shape
-        if isinstance(slots, slice):
-            slots = torch.arange(slots.start, slots.stop, device=k.device)
-        rows = slots[:, None].expand(n, T)
+        rows = rows[:, None].expand(n, T)
         self.k[layer][rows, :, positions] = k.transpose(1, 2).to(self.k.dtype)  # a bf16 prefill into an fp32 cache
         self.v[layer][rows, :, positions] = v.transpose(1, 2).to(self.v.dtype)
-        return self.k[layer], self.v[layer]
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot src's first `length` entries (all layers) into slot dst."""
@@ -101,31 +136,29 @@ class KVCache(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
-        H, self.heads, self.theta = cfg.hidden_size, cfg.num_attention_heads, cfg.rope_theta
+        H, self.heads = cfg.hidden_size, cfg.num_attention_heads
         self.q_proj, self.k_proj = nn.Linear(H, H, bias=False), nn.Linear(H, H, bias=False)
         self.v_proj, self.o_proj = nn.Linear(H, H, bias=False), nn.Linear(H, H, bias=False)
 
-    def forward(self, x: Tensor, positions: Tensor, cache: KVCache | None, layer: int, slots: Tensor | None,
-                decode_mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None, layer: int = 0,
+                rows: Tensor | None = None, positions: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
         B, T, H = x.shape
         q, k, v = (p(x).view(B, T, self.heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
-        cos, sin = rope_tables(positions, q.shape[-1], self.theta, q.dtype)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # the table is fp32; under autocast q is not
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         if cache is not None:
-            ck, cv = cache.update(layer, slots, positions, k, v)
-        if decode_mask is None:  # prefill / full forward: causal over this call's tokens
+            cache.write(layer, rows, positions, k, v)
+        if mask is None:  # prefill / full forward: causal over this call's tokens
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:  # one new token per slot against that slot's cached prefix (a slice of slots reads a view)
-            L = decode_mask.shape[-1]
-            if not isinstance(slots, slice):  # index_select copies whole slot rows: ~6x faster than ck[slots]
-                ck, cv, slots = ck.index_select(0, slots), cv.index_select(0, slots), slice(None)
-            ck, cv = ck[slots, :, :L], cv[slots, :, :L]
+        else:  # one new token per row against its slot's cached prefix (row i is slot i: a view, no gather)
+            L = mask.shape[-1]
+            ck, cv = cache.k[layer, :B, :, :L], cache.v[layer, :B, :, :L]
             if q.device.type == "cpu" and q.dtype == torch.float32:
                 # plain matmuls: for a single query token torch's CPU flash kernel is ~5x slower
                 scores = (q @ ck.transpose(-1, -2)) * q.shape[-1] ** -0.5
-                out = scores.masked_fill(~decode_mask, float("-inf")).softmax(-1) @ cv
+                out = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ cv
             else:
-                out = F.scaled_dot_product_attention(q, ck, cv, attn_mask=decode_mask)
+                out = F.scaled_dot_product_attention(q, ck, cv, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, H))
 
 
@@ -139,12 +172,27 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+_GROUPED: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm runs on this device at this dtype: probed once per pair (CPUs and bf16
+    on recent NVIDIA GPUs have it; fp32/fp16 on a GPU, or an older torch, may not)."""
+    key = (str(device), dtype)
+    if key not in _GROUPED:
+        try:
+            x, w = torch.ones(16, 16, device=device, dtype=dtype), torch.ones(2, 16, 16, device=device, dtype=dtype)
+            out = torch._grouped_mm(x, w.transpose(1, 2), offs=torch.tensor([8, 16], dtype=torch.int32, device=device))
+            _GROUPED[key] = bool((out == 16).all())
+        except (RuntimeError, NotImplementedError, AttributeError):
+            _GROUPED[key] = False
+    return _GROUPED[key]
+
+
 def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     """Rows of x sorted by group; offsets = cumulative row ends; w [G, out, in] -> [rows, out]."""
-    if x.device.type == "cpu" or x.dtype == torch.bfloat16:  # one grouped GEMM, no host sync
+    if grouped_mm_works(x.device, x.dtype):  # one grouped GEMM, no host sync
         return torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)
-    # fp32/fp16 on an accelerator have no grouped kernel. Serve GPUs in bf16 (the server's default
-    # there) to stay on the path above.
     return per_group_mm(x, w, offsets)
 
 
@@ -173,34 +221,66 @@ class MoE(nn.Module):
         weight, expert = probs.topk(self.top_k, dim=-1, sorted=False)  # greedy, not renormalised
         return weight * self.scale, expert
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, step: bool = False) -> Tensor:
+        """`step`: a decode step, which must not wait on the device (CUDA graphs) and, in deterministic
+        mode, must compute each row independently of the others."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weight, expert = self.route(x)
-        flat = expert.flatten()
-        order = flat.argsort(stable=True)
-        token = order // self.top_k
-        counts = torch.zeros(self.w_gate.shape[0], dtype=torch.int32, device=x.device)
-        offsets = counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
-        xs = x[token]
-        h = F.silu(grouped_mm(xs, self.w_gate, offsets)) * grouped_mm(xs, self.w_up, offsets)
-        routed = grouped_mm(h, self.w_down, offsets).float() * weight.flatten()[order, None]
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, token, routed)
+        # each token's experts in ascending order: the combine below adds their outputs in this order,
+        # one fixed order whatever else is in the batch (a scatter-add's order is the kernel's choice)
+        expert, perm = expert.sort(dim=-1)
+        weight = weight.gather(-1, perm)
+        N, k, E = *expert.shape, self.w_gate.shape[0]
+        if step and (deterministic() or not grouped_mm_works(x.device, x.dtype)):
+            out = self._gathered(x, expert) if N * k <= E else self._dense(x, expert)
+        else:  # prompts without a grouped GEMM fall back to one GEMM per expert (a host sync per layer)
+            out = self._grouped(x, expert)
+        routed = out.float() * weight[..., None]
+        y = routed[:, 0]
+        for j in range(1, k):
+            y = y + routed[:, j]
         return (y.to(x.dtype) + self.shared_experts(x)).view(shape)
+
+    def _grouped(self, x: Tensor, expert: Tensor) -> Tensor:
+        """Rows sorted by expert through one grouped GEMM per projection -> [N, k, H] in expert order per row."""
+        N, k = expert.shape
+        sorted_experts, order = expert.flatten().sort(stable=True)
+        # each expert's rows end where its run in the sorted list ends (a search: no scatter, no host sync)
+        experts = torch.arange(self.w_gate.shape[0], device=x.device)
+        offsets = torch.searchsorted(sorted_experts, experts, right=True).to(torch.int32)
+        xs = x[order // k]
+        h = F.silu(grouped_mm(xs, self.w_gate, offsets)) * grouped_mm(xs, self.w_up, offsets)
+        return grouped_mm(h, self.w_down, offsets)[order.argsort()].view(N, k, -1)
+
+    def _gathered(self, x: Tensor, expert: Tensor) -> Tensor:
+        """Each row through its own k experts, their matrices gathered per row (as gpt-fast's Mixtral
+        does): no host sync, no row sees another; it reads k experts per row, so only for few rows."""
+        wg, wu, wd = self.w_gate[expert], self.w_up[expert], self.w_down[expert]  # [N,k,I,H], [N,k,H,I]
+        h = F.silu(torch.einsum("nd,nkid->nki", x, wg)) * torch.einsum("nd,nkid->nki", x, wu)
+        return torch.einsum("nki,nkdi->nkd", h, wd)
+
+    def _dense(self, x: Tensor, expert: Tensor) -> Tensor:
+        """Every row through every expert, then each row's k picked: no host sync, no row sees another;
+        it reads each expert once, where gathering would read more."""
+        h = F.silu(torch.einsum("nd,eid->nei", x, self.w_gate)) * torch.einsum("nd,eid->nei", x, self.w_up)
+        out = torch.einsum("nei,edi->ned", h, self.w_down)
+        return out.gather(1, expert[..., None].expand(-1, -1, out.shape[-1]))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, index: int):
         super().__init__()
-        self.index = index
+        self.index, self.dense = index, index < cfg.first_k_dense_replace
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size) if index < cfg.first_k_dense_replace else MoE(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size) if self.dense else MoE(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, cache=None, slots=None, decode_mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), positions, cache, self.index, slots, decode_mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, cache=None, rows=None, positions=None, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, self.index, rows, positions, mask)
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h) if self.dense else self.mlp(h, step=mask is not None))
 
 
 class Decoder(nn.Module):
@@ -215,6 +295,18 @@ class Decoder(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.image_newline = nn.Parameter(torch.zeros(cfg.hidden_size))
         self.view_seperator = nn.Parameter(torch.zeros(cfg.hidden_size))  # sic: the checkpoint's spelling
+        # device -> RoPE cos/sin tables up to max positions, built on first use there (not a buffer: modules
+        # are built on the meta device and loaded by assignment, and a dtype cast must not round them)
+        self._rope: dict[torch.device, tuple[Tensor, Tensor]] = {}
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """fp32 cos, sin [B,1,T,d] for positions [B,T]: rows of the table, once per forward (not per layer)."""
+        table = self._rope.get(positions.device)
+        if table is None:
+            c = self.cfg
+            table = self._rope[positions.device] = rope_table(c.max_position_embeddings, c.head_dim, c.rope_theta,
+                                                              positions.device)
+        return table[0][positions][:, None], table[1][positions][:, None]
 
     def layout_image(self, features: Tensor) -> Tensor:
         """[g*g, D] projected features -> [g*(g+1)+1, D]: each row + image_newline, then view_seperator."""
@@ -230,10 +322,11 @@ class Decoder(nn.Module):
         text = self.embed_tokens(ids)
         return torch.cat([text[:1], image_embeds.to(text.dtype), text[1:]])
 
-    def hidden(self, embeds: Tensor, positions: Tensor, cache=None, slots=None, decode_mask=None) -> Tensor:
+    def hidden(self, embeds: Tensor, positions: Tensor, cache=None, rows=None, mask=None) -> Tensor:
+        cos, sin = self.rope(positions)
         x = embeds
         for layer in self.layers:
-            x = layer(x, positions, cache, slots, decode_mask)
+            x = layer(x, cos, sin, cache, rows, positions, mask)
         return self.norm(x)
 
     def forward(self, embeds: Tensor) -> Tensor:
@@ -242,32 +335,32 @@ class Decoder(nn.Module):
         positions = torch.arange(T, device=embeds.device).expand(B, T)
         return self.lm_head(self.hidden(embeds, positions)).float()
 
-    def new_cache(self, slots: int, capacity: int = 256) -> KVCache:
+    def new_cache(self, slots: int, length: int | None = None) -> KVCache:
         p = self.embed_tokens.weight
         return KVCache(self.cfg.num_hidden_layers, slots, self.cfg.num_attention_heads, self.cfg.head_dim,
-                       p.dtype, p.device, capacity)
+                       length or self.cfg.max_position_embeddings, p.dtype, p.device)
 
     def prefill(self, cache: KVCache, slots: list[int], inputs: list[Tensor]) -> Tensor:
         """Run new sequences (embeds [L_i, D] each) into their slots; return next-token logits [n, V]."""
-        lengths = torch.tensor([x.shape[0] for x in inputs], device=cache.k.device)
-        T = int(lengths.max())
-        cache.reserve(T)
+        lengths = [x.shape[0] for x in inputs]
+        T, dev = max(lengths), cache.k.device
+        cache.ensure(T)
         # right padding is safe: causal attention keeps valid positions from seeing it, and each
         # sequence's first decode step overwrites the padded cache entries it would later read
         dtype = self.embed_tokens.weight.dtype
         embeds = torch.stack([F.pad(x.to(dtype), (0, 0, 0, T - x.shape[0])) for x in inputs])
-        positions = torch.arange(T, device=embeds.device).expand(len(inputs), T)
-        h = self.hidden(embeds, positions, cache, torch.tensor(slots, device=embeds.device))
-        return self.lm_head(h[torch.arange(len(inputs)), lengths - 1]).float()
+        positions = torch.arange(T, device=dev).expand(len(inputs), T)
+        h = self.hidden(embeds, positions, cache, torch.tensor(slots, device=dev))
+        last = torch.tensor(lengths, device=dev) - 1
+        return self.lm_head(h[torch.arange(len(inputs), device=dev), last]).float()
 
-    def decode_step(self, cache: KVCache, slots: Tensor | slice, positions: Tensor, tokens: Tensor) -> Tensor:
-        """One token per slot at its own position: tokens/positions/slots [n] -> logits [n, V].
-        `slots` may be a slice (a contiguous run of slots): attention then reads the cache in place
-        instead of gathering a copy of every running sequence's keys and values in every layer."""
-        L = int(positions.max()) + 1
-        cache.reserve(L)
-        mask = (torch.arange(L, device=tokens.device)[None, :] <= positions[:, None])[:, None, None, :]
-        h = self.hidden(self.embed_tokens(tokens)[:, None], positions[:, None], cache, slots, mask)
+    def decode_step(self, cache: KVCache, tokens: Tensor, positions: Tensor, length: int) -> Tensor:
+        """One token for each of rows 0..B-1 (row i is slot i) at its own position, attending to its slot's
+        first `length` positions: tokens, positions [B] on the device -> fp32 logits [B, V]. Its shapes
+        are fixed by (B, length) and it reads nothing back to the host: capturable as a CUDA graph."""
+        B, dev = tokens.shape[0], tokens.device
+        mask = (torch.arange(length, device=dev)[None, :] <= positions[:, None])[:, None, None, :]
+        h = self.hidden(self.embed_tokens(tokens)[:, None], positions[:, None], cache, torch.arange(B, device=dev), mask)
         return self.lm_head(h[:, 0]).float()
 
 
@@ -355,36 +448,87 @@ class Generator:
     `prefill`: the same decoder at another precision for the prompts (a bf16 copy on a CPU with native
     bf16 matmuls: prompts are hundreds of positions of compute-bound GEMMs, where bf16 is faster, 2.2x
     for a batch of 16 and ~1.2x for one, while one-token steps are bound by memory and overhead,
-    where fp32 is faster). It writes the same cache; by default the decoder prefills itself."""
+    where fp32 is faster). It writes the same cache; by default the decoder prefills itself.
+
+    Memory: `kv_tokens` positions of keys/values in all, allocated here once (default: every slot can
+    hold `max_positions`): `slot_tokens` = kv_tokens // slots per sequence, prompt included. Call
+    `can_admit(prompt_len, max_tokens)` before `add`: `add` cuts a sequence that would not fit down to
+    what its slot holds (finish_reason "length").
+
+    Shapes: a step runs rows 0..B-1 and attends over L positions. With `buckets` (default on CUDA)
+    B is the next power of two above the rows in use and L the next power of two (>= 256) above the
+    longest sequence, so few shapes occur, and with `cuda_graphs` (default on CUDA) each is captured
+    once and replayed. Without (the CPU's default) B and L are exact: a CPU gains nothing from fixed
+    shapes and would pay for the padding. In deterministic mode (`set_deterministic`) every step is
+    (all slots, slot_tokens)."""
 
     def __init__(self, decoder: Decoder, slots: int, eos_id: int, rule: RepetitionRule | None,
-                 prefill: Decoder | None = None):
+                 prefill: Decoder | None = None, kv_tokens: int | None = None, buckets: bool | None = None,
+                 cuda_graphs: bool | None = None):
         self.decoder, self.eos_id, self.rule = decoder, eos_id, rule
         self.prefill_decoder = prefill or decoder
-        self.cache = decoder.new_cache(slots)
+        self.slots, self.max_positions = slots, decoder.cfg.max_position_embeddings
+        kv_tokens = slots * self.max_positions if kv_tokens is None else kv_tokens
+        self.slot_tokens = min(self.max_positions, kv_tokens // slots)
+        if self.slot_tokens < 2:
+            raise ValueError(f"kv_tokens={kv_tokens} leaves {self.slot_tokens} positions to each of {slots} slots")
+        self.cache = decoder.new_cache(slots, self.slot_tokens)
+        dev = self.cache.k.device
+        # the step's inputs live on the device: each slot's last token and the position it goes to
+        self.tokens = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(slots, dtype=torch.long, device=dev)
+        cuda = dev.type == "cuda"
+        self.buckets = cuda if buckets is None else buckets
+        self.cuda_graphs = cuda if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and not cuda:
+            raise ValueError("CUDA graphs need the decoder on a CUDA device")
+        self._graphs: dict[tuple[int, int], tuple] = {}  # (B, L) -> (graph, logits, best)
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.free = list(range(slots))
         self.active: dict[int, Sequence] = {}  # slot -> sequence
-        self.positions: dict[int, int] = {}  # slot -> position of its next token
+        self.positions: dict[int, int] = {}  # slot -> position of its next token (the host's copy of self.pos)
         self._next_id = 0
 
     @property
     def capacity(self) -> int:
         return len(self.free)
 
+    @property
+    def kv_tokens(self) -> int:
+        return self.slots * self.slot_tokens
+
+    def can_admit(self, prompt_len: int, max_tokens: int) -> bool:
+        """Whether a sequence of prompt_len positions that may generate max_tokens can be added now: a free
+        slot, and room in it for all of its tokens. Never true when prompt_len + max_tokens > slot_tokens."""
+        return bool(self.free) and prompt_len + max_tokens <= self.slot_tokens
+
     @torch.inference_mode()
     def add(self, inputs: list[Tensor], max_tokens: list[int]) -> list[Sequence]:
         """Prefill new sequences; their first token is chosen at once (they may finish right away)."""
+        too_long = [x.shape[0] for x in inputs if x.shape[0] >= self.slot_tokens]
+        if too_long:
+            raise ValueError(f"prompts of {too_long} positions do not fit a slot of {self.slot_tokens}")
+        if len(inputs) > len(self.free):
+            raise ValueError(f"{len(inputs)} sequences for {len(self.free)} free slots")
         # lowest free slots first: with drop's compaction the sequences hold slots 0..n-1
         self.free.sort()
         slots, self.free = self.free[:len(inputs)], self.free[len(inputs):]
-        logits = self.prefill_decoder.prefill(self.cache, slots, inputs)
+        if deterministic():  # a prompt's shapes then depend on it alone
+            logits = torch.cat([self.prefill_decoder.prefill(self.cache, [s], [x]) for s, x in zip(slots, inputs)])
+        else:
+            logits = self.prefill_decoder.prefill(self.cache, slots, inputs)
+        best = logits.argmax(-1).tolist()
         seqs = []
-        for slot, x, limit, row in zip(slots, inputs, max_tokens, logits):
-            seq = Sequence(self._next_id, slot, limit, [])
+        for slot, x, limit, row, token in zip(slots, inputs, max_tokens, logits, best):
+            # the last token is chosen, never written: a slot holds prompt + max_tokens - 1 positions
+            seq = Sequence(self._next_id, slot, min(limit, self.slot_tokens - x.shape[0]), [])
             self._next_id += 1
             self.active[slot], self.positions[slot] = seq, x.shape[0]
-            self._choose(seq, row)
+            self._choose(seq, row, token)
             seqs.append(seq)
+        index = torch.tensor(slots, device=self.tokens.device)
+        self.tokens[index] = torch.tensor([s.tokens[-1] for s in seqs], device=self.tokens.device)
+        self.pos[index] = torch.tensor([x.shape[0] for x in inputs], device=self.pos.device)
         return seqs
 
     @torch.inference_mode()
@@ -401,45 +545,79 @@ class Generator:
             moved = self.active.pop(last)
             self.positions[hole] = self.positions.pop(last)
             self.cache.move(last, hole, self.positions[hole])
+            self.tokens[hole], self.pos[hole] = self.tokens[last], self.pos[last]  # device to device
             moved.slot, self.active[hole], hole = hole, moved, last
         self.free.append(hole)
 
+    def shape(self, rows: int, length: int) -> tuple[int, int]:
+        """(B, L) of a step over slots 0..rows-1 whose longest sequence attends over `length` positions."""
+        if deterministic():
+            return self.slots, self.slot_tokens
+        if not self.buckets:
+            return rows, length
+        return min(self.slots, 1 << (rows - 1).bit_length()), min(self.slot_tokens, max(256, 1 << (length - 1).bit_length()))
+
     @torch.inference_mode()
     def step(self) -> None:
-        running = sorted((s for s in self.active.values() if s.finish_reason is None), key=lambda s: s.slot)
+        running = [s for s in self.active.values() if s.finish_reason is None]
         if not running:
             return
-        dev = self.cache.k.device
-        lo, hi = running[0].slot, running[-1].slot + 1
-        if hi - lo <= 2 * len(running):
-            # Run the whole slot range lo..hi, idle slots included (finished sequences not dropped yet),
-            # so that attention reads the cache in place (a gather of the running slots' keys/values
-            # costs more than a few wasted rows).
-            # An idle row writes its dummy key/value at position 0, which a finished sequence never
-            # reads again and a new one's prefill overwrites.
-            rows: list[Sequence | None] = [None] * (hi - lo)
-            for s in running:
-                rows[s.slot - lo] = s
-            slots = slice(lo, hi)
-        else:
-            rows, slots = list(running), torch.tensor([s.slot for s in running], device=dev)
-        positions = torch.tensor([self.positions[s.slot] if s else 0 for s in rows], device=dev)
-        tokens = torch.tensor([s.tokens[-1] if s else 0 for s in rows], device=dev)
-        logits = self.decoder.decode_step(self.cache, slots, positions, tokens)
-        best = logits.argmax(-1).tolist()  # one call for the batch; rows with banned tokens redo theirs
-        for seq, row, token in zip(rows, logits, best):
-            if seq is None:
-                continue
+        # rows 0..max slot: finished sequences not dropped yet run along (their tokens are ignored)
+        B, L = self.shape(max(self.active) + 1, max(self.positions[s.slot] for s in running) + 1)
+        self.cache.ensure(L)
+        logits, best = self._run(B, L)
+        best = best.tolist()  # the step's one copy to the host
+        for seq in running:
             self.positions[seq.slot] += 1
-            self._choose(seq, row, token)
+            self._choose(seq, logits[seq.slot], best[seq.slot])
 
-    def _choose(self, seq: Sequence, logits: Tensor, token: int | None = None) -> None:
+    def _run(self, B: int, L: int) -> tuple[Tensor, Tensor]:
+        if not self.cuda_graphs:
+            return self._advance(B, L)
+        if (B, L) not in self._graphs:
+            self._capture(B, L)
+        graph, logits, best = self._graphs[B, L]
+        graph.replay()
+        return logits, best
+
+    def _compute(self, B: int, L: int) -> tuple[Tensor, Tensor]:
+        logits = self.decoder.decode_step(self.cache, self.tokens[:B], self.pos[:B], L)
+        return logits, logits.argmax(-1)
+
+    def _advance(self, B: int, L: int) -> tuple[Tensor, Tensor]:
+        """A step of rows 0..B-1, and their next inputs set on the device: the best tokens (the host
+        overrides a row whose best is banned) at the next positions."""
+        logits, best = self._compute(B, L)
+        self.tokens[:B] = best
+        # rows that run past their end (finished, padding) keep writing inside their own slot
+        self.pos[:B] = (self.pos[:B] + 1).clamp_(max=self.slot_tokens - 1)
+        return logits, best
+
+    def _capture(self, B: int, L: int) -> None:
+        """Capture one step of shape (B, L) as a CUDA graph (the inputs, cache and outputs keep their
+        addresses, so replaying it is the step). All graphs share one memory pool: they never run at once."""
+        # warm-up outside the capture (library handles, the MoE probe, the RoPE table): _compute
+        # rewrites the same keys/values the step will write and advances nothing
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._compute(B, L)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits, best = self._advance(B, L)
+        self._graphs[B, L] = (graph, logits, best)
+
+    def _choose(self, seq: Sequence, logits: Tensor, token: int) -> None:
+        """Append `token` (the row's argmax) unless the repetition rule bans it: then the best allowed one."""
         banned = self.rule.banned(seq.tokens) if self.rule is not None else None
-        if banned:
-            logits = logits.clone()
-            logits[list(banned)] = float("-inf")
-            token = None
-        token = int(logits.argmax()) if token is None else token
+        if banned and token in banned:
+            # only a banned argmax changes the choice; this row's logits come to the host for it (the
+            # few steps that need it), and the device's next input follows
+            row = logits.clone()
+            row[list(banned)] = float("-inf")
+            token = int(row.argmax())
+            self.tokens[seq.slot] = token
         seq.tokens.append(token)
         if self.rule is not None:
             self.rule.track(seq.grams, seq.tokens)
@@ -451,10 +629,12 @@ class Generator:
             seq.finish_reason = "length"
 
     def generate(self, inputs: list[Tensor], max_tokens: list[int]) -> list[Sequence]:
-        """Convenience: run a fixed set of sequences to completion."""
+        """Convenience: run a fixed set of sequences to completion (each leaves the batch as it finishes)."""
         seqs = self.add(inputs, max_tokens)
-        while any(s.finish_reason is None for s in seqs):
+        while True:
+            for s in seqs:
+                if s.finish_reason is not None:
+                    self.drop(s)
+            if all(s.finish_reason is not None for s in seqs):
+                return seqs
             self.step()
-        for s in seqs:
-            self.drop(s)
-        return seqs

