@@ -15,6 +15,7 @@ import base64
 import binascii
 import contextlib
 import contextvars
+import copy
 import hmac
 import io
 import json
@@ -27,7 +28,7 @@ import traceback
 import uuid
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Annotated, Any, Callable, Literal
 
 import numpy as np
 from fastapi import FastAPI, Query, Request
@@ -35,12 +36,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from PIL import Image
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 from starlette.datastructures import UploadFile
 from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from architecture import BITS_PER_CODE, MAX_LEVEL, NUM_CODES, PACKED_BYTES
+from architecture import BITS_PER_CODE, MAX_LEVEL, NUM_CODES, PACKED_BYTES, PROMPTS
 from codesfile import FINGERPRINT, MEDIA_TYPE as CODES_MEDIA_TYPE, CodesFile, CodesFileError, looks_like_codes_file
 from documents import DocumentError, looks_like_pdf, render_pdf
 from engine import (Cancelled, DeadlineExceeded, DecodeResult, Engine, EngineConfig, EngineError, Job,
@@ -87,6 +88,14 @@ class Settings:
 
 
 # ----------------------------------------------------------------------------- API models
+def integral(value: Any) -> Any:
+    """JSON Schema counts 10.0 as an integer, so the server does too (never True, never "10")."""
+    return int(value) if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 63 else value
+
+
+JsonInt = Annotated[StrictInt, BeforeValidator(integral)]
+
+
 class EncodeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     image: StrictStr = Field(description="the image file's bytes as base64, or a data URL "
@@ -126,7 +135,7 @@ class EncodePagesResponse(BaseModel):
 class DecodeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # the constraints are checked in _one_source (with messages that name the bad entry); the schema states them
-    codes: list[StrictInt] | None = Field(None, description=f"{NUM_CODES} ints in 0..{MAX_LEVEL} (exactly one of codes, codes_b64)",
+    codes: list[JsonInt] | None = Field(None, description=f"{NUM_CODES} ints in 0..{MAX_LEVEL} (exactly one of codes, codes_b64)",
                                           json_schema_extra={"minItems": NUM_CODES, "maxItems": NUM_CODES,
                                                              "items": {"type": "integer", "minimum": 0, "maximum": MAX_LEVEL}})
     codes_b64: StrictStr | None = Field(None, description=f"{PACKED_BYTES} packed bytes as base64, as /encode returns them",
@@ -134,7 +143,7 @@ class DecodeRequest(BaseModel):
     prompt: Literal["free", "markdown"] | None = Field(None, description='"free" (the default): <image>\\nFree OCR.; '
                                                        '"markdown": <image>\\n<|grounding|>Convert the document to markdown. '
                                                        "Overrides the query parameter.")
-    max_tokens: StrictInt | None = Field(None, ge=1, le=MAX_TOKENS, description="most tokens to generate (EOS "
+    max_tokens: JsonInt | None = Field(None, ge=1, le=MAX_TOKENS, description="most tokens to generate (EOS "
                                                                             "included; default 4096); overrides the "
                                                                             "query parameter")
     quantizer: StrictStr | None = Field(None, pattern=FINGERPRINT.pattern,
@@ -198,6 +207,39 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+# what the server accepts as codes_b64, stated exactly: 2048 bytes are 2,732 base64 characters, the last
+# group two bytes and one '=' (URL-safe letters, wrapping and missing padding are tolerated too)
+CODES_B64_PATTERN = f"^[A-Za-z0-9+/]{{{4 * (PACKED_BYTES // 3)}}}[A-Za-z0-9+/]{{2}}[AEIMQUYcgkosw048]=$"
+
+
+# one server-sent event of a streamed /decode, as OpenAPI 3.1 describes the events of a stream
+SSE_EVENT_SCHEMA = {"type": "object", "required": ["event", "data"], "properties": {
+    "event": {"type": "string", "enum": ["delta", "done", "error"]},
+    "data": {"type": "string", "contentMediaType": "application/json", "description":
+             'delta: {"text": the next piece of text}; done (last): {"text", "num_tokens", "prompt_tokens", '
+             '"finish_reason"}; error (last): {"error": {"type", "message"}}'}}}
+
+
+def decode_request_schema(quantizer: str | None = None, prompts: list[str] | None = None) -> dict:
+    """DecodeRequest's JSON schema with every constraint the server enforces: exactly one of codes and
+    codes_b64 (neither nullable), and, once a model is loaded, its quantizer and prompts."""
+    schema = DecodeRequest.model_json_schema()
+    props = schema["properties"]
+    props["codes"] = {"type": "array", "minItems": NUM_CODES, "maxItems": NUM_CODES,
+                      "items": {"type": "integer", "minimum": 0, "maximum": MAX_LEVEL},
+                      "description": props["codes"]["description"]}
+    props["codes_b64"] = {"type": "string", "pattern": CODES_B64_PATTERN, "contentEncoding": "base64",
+                          "description": props["codes_b64"]["description"]}
+    props["prompt"] = {"type": "string", "enum": prompts or list(PROMPTS), "default": "free",
+                       "description": props["prompt"]["description"]}
+    props["max_tokens"] = {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS, "default": 4096,
+                           "description": props["max_tokens"]["description"]}
+    props["quantizer"] = {"type": "string", "pattern": FINGERPRINT.pattern, "description": props["quantizer"]["description"],
+                          **({"enum": [quantizer]} if quantizer else {})}
+    schema["oneOf"] = [{"required": ["codes"]}, {"required": ["codes_b64"]}]
+    return schema
 
 
 # ----------------------------------------------------------------------------- errors
@@ -589,11 +631,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return EncodeResponse(codes=codes[0].tolist(), codes_b64=packed[0], quantizer=p.quantizer_fingerprint, mode=p.mode)
 
     decode_body = {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": DecodeRequest.model_json_schema()},
+        "application/json": {"schema": decode_request_schema()},
         CODES_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary",
                                       "description": "a codes file (docs/codes-file.md), as /encode?format=olc returns"}}}}}
     decode_answers = {**errors, 409: {"model": ErrorResponse, "description": "codes of another quantizer"},
-                      200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+                      200: {"content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
                             "description": "JSON; with stream=true, server-sent events"}}
 
     @app.post("/decode", response_model=DecodeResponse | DecodePagesResponse, responses=decode_answers,
@@ -702,6 +744,25 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    static_openapi = app.openapi  # FastAPI's, cached
+
+    def openapi() -> dict:
+        """The schema, with what the loaded model decides once it is ready: the quantizer whose codes
+        /decode takes and the prompts its tokenizer can spell (else those are refused while schema-valid)."""
+        engine = getattr(app.state, "engine", None)
+        if engine is None or not engine.ready:
+            return static_openapi()
+        live = copy.deepcopy(static_openapi())
+        p = engine.pipeline
+        decode_op = live["paths"]["/decode"]["post"]
+        decode_op["requestBody"]["content"]["application/json"]["schema"] = decode_request_schema(
+            p.quantizer_fingerprint, sorted(p.prompts))
+        for param in decode_op["parameters"]:
+            if param["name"] == "prompt":
+                param["schema"]["enum"] = sorted(p.prompts)
+        return live
+
+    app.openapi = openapi
     app.add_middleware(Guard, settings=s, metrics=metrics)
     return app
 

@@ -57,3 +57,29 @@ def test_a_full_queue_refuses_and_a_cancelled_job_frees_its_slot(pages):
         assert not running.future.done()  # nobody waits for a cancelled job: it is never resolved
     finally:
         engine.stop()
+
+
+def byte_level_tokenizer():
+    """A small byte-level BPE (DeepSeek-OCR's tokenizer is one): characters outside its merges are split
+    into bytes, so a prefix of the tokens can end inside a character."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(["the page reads plain text"] * 10, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok
+
+
+def test_streamed_pieces_join_into_the_text_even_across_split_characters():
+    from engine import TextStream
+    tok = byte_level_tokenizer()
+    text = "  Größe: 漢字 and  spaces\n\ttabs — the page  "
+    ids = tok.encode(text).ids
+    decode = lambda t: tok.decode(t, skip_special_tokens=False)
+    assert decode(ids) == text and any(decode(ids[:n]).endswith("\ufffd") for n in range(len(ids)))
+    stream = TextStream(decode)
+    pieces = [stream.feed(ids[:n]) for n in range(1, len(ids) + 1)]
+    pieces.append(stream.finish(text.strip()))  # the pipeline's text is stripped
+    assert "".join(pieces) == text.strip()
+    assert not any("\ufffd" in p for p in pieces)
+    assert sum(bool(p) for p in pieces) > 10  # it streams, not all at the end
