@@ -1,0 +1,186 @@
+"""Decoding shaped for accelerators, checked on the CPU: a KV cache fixed at construction, admission by
+tokens, batch invariance in deterministic mode, decode steps that never read back to the host, the MoE
+paths agreeing, the repetition ban steering the device's next input, and bench/gpu.py --tiny."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import decoder as decoder_module
+from checkpoint import build_modules
+from conftest import ROOT, small_config
+from decoder import DecoderConfig, Generator, RepetitionRule, rope_table, set_deterministic
+
+
+def _prompts(decoder, lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, decoder.cfg.hidden_size, generator=gen) for n in lengths]
+
+
+@pytest.fixture
+def deterministic_mode():
+    set_deterministic(True)
+    yield
+    set_deterministic(False)
+
+
+def test_the_kv_cache_is_allocated_once_and_never_resized(small_modules):
+    _, decoder = small_modules
+    gen = Generator(decoder, 2, eos_id=-1, rule=None, kv_tokens=2 * 600)
+    assert (gen.slot_tokens, gen.kv_tokens, gen.max_positions) == (600, 1200, 8192)
+    k, v = gen.cache.k, gen.cache.v
+    storage = lambda: (k.data_ptr(), v.data_ptr(), k.untyped_storage().nbytes(), v.untyped_storage().nbytes())
+    before = storage()
+    (a,) = gen.add(_prompts(decoder, [40]), [500])  # 540 positions: the old cache grew at 256 and 512
+    while a.finish_reason is None:
+        gen.step()
+        assert gen.cache.k is k and gen.cache.v is v
+    assert a.finish_reason == "length" and len(a.tokens) == 500
+    # a sequence asking for more than its slot holds is cut to what fits (call can_admit to refuse instead)
+    (b,) = gen.add(_prompts(decoder, [100], seed=1), [10_000])
+    while b.finish_reason is None:
+        gen.step()
+    assert b.finish_reason == "length" and len(b.tokens) == 600 - 100
+    assert storage() == before and gen.cache.ready == 600
+
+
+def test_admission_is_by_tokens_and_positions(small_modules):
+    _, decoder = small_modules
+    gen = Generator(decoder, 2, eos_id=-1, rule=None, kv_tokens=1000)
+    assert gen.slot_tokens == 500 and gen.can_admit(100, 400) and not gen.can_admit(100, 401)
+    a, b = gen.add(_prompts(decoder, [10, 20]), [5, 5])
+    assert gen.capacity == 0 and not gen.can_admit(10, 10)
+    gen.drop(a)
+    assert gen.can_admit(10, 10)
+    with pytest.raises(ValueError, match="do not fit"):
+        gen.add(_prompts(decoder, [500]), [1])
+    # by default every slot holds the model's positions; the real config names them
+    assert Generator(decoder, 3, eos_id=-1, rule=None).slot_tokens == decoder.cfg.max_position_embeddings == 8192
+    real = json.loads((ROOT / "bench" / "deepseek-ocr-config.json").read_text())
+    assert DecoderConfig.from_config(real).max_position_embeddings == 8192
+    assert Generator(decoder, 2, eos_id=-1, rule=None, kv_tokens=2 * 10**6).slot_tokens == 8192
+
+
+def test_a_sequence_gets_the_same_logits_whatever_else_is_in_the_batch(small_modules, deterministic_mode, monkeypatch):
+    """Deterministic mode: the same sequence alone, and in a batch where others join, leave and move it
+    between slots, gets bit-identical logits at every step (outside it they differ in the last bits)."""
+    _, decoder = small_modules
+    seen, choose = {}, Generator._choose
+
+    def recording(self, seq, logits, token):
+        seen.setdefault(id(seq), []).append(logits.clone())
+        choose(self, seq, logits, token)
+
+    monkeypatch.setattr(Generator, "_choose", recording)
+    prompts = _prompts(decoder, [9, 23, 14, 5, 30], seed=7)
+    (alone,) = Generator(decoder, 4, eos_id=-1, rule=None, kv_tokens=256).generate([prompts[0]], [20])
+    gen = Generator(decoder, 4, eos_id=-1, rule=None, kv_tokens=256)
+    short, long = gen.add([prompts[3], prompts[1]], [7, 30])
+    for _ in range(3):
+        gen.step()
+    (seq,) = gen.add([prompts[0]], [20])  # joins mid-decode, in slot 2
+    assert seq.slot == 2
+    later = []
+    while seq.finish_reason is None:
+        if short.finish_reason is not None and not later:
+            gen.drop(short)  # leaves from slot 0: the highest slot (this sequence) moves into its place
+            later = gen.add([prompts[4]], [12])
+        gen.step()
+    assert seq.slot == 0 and seq.tokens == alone.tokens
+    assert all(torch.equal(x, y) for x, y in zip(seen[id(alone)], seen[id(seq)], strict=True))
+
+
+@pytest.mark.parametrize("dtype, grouped", [(torch.float32, False), (torch.bfloat16, True)])
+def test_a_decode_step_never_reads_back_to_the_host(monkeypatch, dtype, grouped):
+    """On the meta device, where reading a value back to the host raises. The MoE takes its grouped GEMM
+    (bf16), or without one (fp32 here) gathers the chosen experts (few rows) or runs all of them."""
+    _, decoder = build_modules(small_config(), "meta")  # 8 experts, top-3
+    decoder = decoder.to(dtype)
+    monkeypatch.setitem(decoder_module._GROUPED, ("meta", dtype), grouped)
+    cache = decoder.new_cache(4, 64)
+    tokens, positions = torch.zeros(4, dtype=torch.long, device="meta"), torch.zeros(4, dtype=torch.long, device="meta")
+    with torch.inference_mode():
+        for rows in (2, 4):  # 2 x 3 chosen experts <= 8: gathered; 4 x 3 > 8: all experts
+            assert decoder.decode_step(cache, tokens[:rows], positions[:rows], 32).shape == (rows, 300)
+        prompt = [torch.zeros(5, 64, device="meta", dtype=dtype)]
+        if grouped:
+            assert decoder.prefill(cache, [0], prompt).shape == (1, 300)
+        else:  # the check has teeth: prompts without a grouped GEMM take one GEMM per expert, a sync a layer
+            with pytest.raises(RuntimeError):
+                decoder.prefill(cache, [0], prompt)
+
+
+def test_the_moe_paths_agree(small_modules, monkeypatch):
+    _, decoder = small_modules
+    moe = decoder.layers[1].mlp
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        _, expert = moe.route(x)
+        expert = expert.sort(dim=-1).values
+        ref = torch.stack([torch.stack([
+            (torch.nn.functional.silu(x[n] @ moe.w_gate[e].T) * (x[n] @ moe.w_up[e].T)) @ moe.w_down[e].T
+            for e in expert[n].tolist()]) for n in range(6)])
+        for path in (moe._grouped, moe._gathered, moe._dense):
+            assert (path(x, expert) - ref).abs().max() < 1e-5, path.__name__
+        batched = moe(x[:, None])
+        monkeypatch.setitem(decoder_module._GROUPED, ("cpu", torch.float32), False)  # one GEMM per expert
+        assert (moe._grouped(x, expert) - ref).abs().max() < 1e-5
+        assert (moe(x[:, None]) - batched).abs().max() < 1e-5
+        assert (moe(x[:, None], step=True) - batched).abs().max() < 1e-5
+
+
+def test_bucketed_shapes_pad_rows_and_length_without_changing_the_tokens(small_modules):
+    _, decoder = small_modules
+    gen = Generator(decoder, 12, eos_id=-1, rule=None, kv_tokens=12 * 600, buckets=True)
+    assert [gen.shape(n, L) for n, L in ((1, 5), (3, 300), (9, 513), (12, 600))] == \
+        [(1, 256), (4, 512), (12, 600), (12, 600)]
+    prompts = _prompts(decoder, [9, 23, 14], seed=5)
+    exact = Generator(decoder, 4, eos_id=-1, rule=None, kv_tokens=4 * 300).generate(prompts, [30, 12, 30])
+    padded = Generator(decoder, 4, eos_id=-1, rule=None, kv_tokens=4 * 300, buckets=True).generate(prompts, [30, 12, 30])
+    assert [s.tokens for s in exact] == [s.tokens for s in padded]
+    with pytest.raises(ValueError, match="CUDA"):
+        Generator(decoder, 2, eos_id=-1, rule=None, kv_tokens=64, cuda_graphs=True)
+
+
+def test_rope_rows_equal_the_formula_per_position():
+    cos, sin = rope_table(300, 64, 10000.0, "cpu")
+    positions = torch.tensor([0, 7, 299])
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)
+    freqs = positions.float()[:, None] * inv_freq
+    assert torch.equal(cos[positions], torch.cat([freqs, freqs], -1).cos())
+    assert torch.equal(sin[positions], torch.cat([freqs, freqs], -1).sin())
+
+
+@torch.inference_mode()
+def test_a_banned_best_token_is_replaced_and_the_next_step_reads_the_replacement(small_modules):
+    """Against a full recompute of every prefix with the same rule: the host's choice for a row whose
+    argmax is banned must be the token the device feeds to the next step."""
+    _, decoder = small_modules
+    rule = RepetitionRule(ngram=3, window=40, max_period=0, fuzzy_window=10**6)
+    (x,) = _prompts(decoder, [12], seed=11)
+    (seq,) = Generator(decoder, 2, eos_id=-1, rule=rule, kv_tokens=256).generate([x], [60])
+    tokens, overridden = [], 0
+    for _ in range(60):
+        logits = decoder(torch.cat([x, decoder.embed_tokens(torch.tensor(tokens, dtype=torch.long))])[None])[0, -1]
+        banned = rule.banned(tokens)
+        if banned and int(logits.argmax()) in banned:
+            overridden += 1
+            logits[list(banned)] = float("-inf")
+        tokens.append(int(logits.argmax()))
+    assert overridden >= 3 and seq.tokens == tokens
+
+
+def test_gpu_bench_tiny_runs_and_prints_its_json():
+    out = subprocess.run([sys.executable, "bench/gpu.py", "--tiny", "--threads", "1"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["device"] == "cpu" and r["params"] > 0 and r["skipped"] == []
+    assert set(r["encode"]) == {"1", "2"} and all(e["pages_per_s"] > 0 and e["tokens_per_page"] == 256
+                                                  for e in r["encode"].values())
+    assert set(r["decode"]["eager"]) == {"1", "4"} and r["decode"]["cuda_graph"] is None
+    for d in r["decode"]["eager"].values():
+        assert d["steps_timed"] == r["new_tokens"] - 3 and d["tokens_per_s"] > 0  # 1 from prefill, 2 warm-up
+        assert 0 < d["tpot_ms_p50"] <= d["tpot_ms_p99"] and d["prefill_s"] > 0 and d["kv_gb"] > 0
