@@ -6,6 +6,8 @@
   ocr-latent decode page.olc                # a codes file -> its text on stdout (pages separated by a form feed)
   ocr-latent decode page.olc --stream       # ... printed as it is generated
   ocr-latent health                         # the server's /health
+  ocr-latent bulk-encode DIR out.parquet    # every image and PDF page under DIR -> codes, on Ray Data (bulk.py)
+  ocr-latent bulk-decode out.parquet out.jsonl   # those codes -> text, one JSON line a page
   ocr-latent train ...                      # train.py's commands: base, export, quantizer
 
 encode, decode and health talk to --url (default $OCR_LATENT_URL, else http://127.0.0.1:8000) with
@@ -47,6 +49,18 @@ def main(argv: list[str] | None = None) -> int:
     dec.add_argument("--stream", action="store_true", help="print the text as it is generated")
     dec.add_argument("--json", action="store_true", help="print the server's answer per page as JSON lines")
     sub.add_parser("health", parents=[remote], help="the server's /health, as JSON")
+    pool = argparse.ArgumentParser(add_help=False)
+    pool.add_argument("--actors", type=int, default=1, help="actors in the pool, each with a model (default 1)")
+    benc = sub.add_parser("bulk-encode", parents=[pool], help="a folder of images and PDFs -> codes in parquet (Ray Data)")
+    benc.add_argument("input", type=Path, help="a folder: its images and PDFs, read page by page (subfolders too)")
+    benc.add_argument("output", type=Path, help="the parquet file (path, page, codes, quantizer); a rerun adds what is missing")
+    benc.add_argument("--batch-size", type=int, default=8, help="pages an actor takes at once (default 8)")
+    bdec = sub.add_parser("bulk-decode", parents=[pool], help="codes in parquet -> text in jsonl (Ray Data)")
+    bdec.add_argument("input", type=Path, help="a parquet file bulk-encode wrote")
+    bdec.add_argument("output", type=Path, help="the jsonl file (path, page, text, finish_reason); a rerun adds what is missing")
+    bdec.add_argument("--batch-size", type=int, default=16, help="pages an actor takes at once (default 16)")
+    bdec.add_argument("--prompt", choices=("free", "markdown"), default="free")
+    bdec.add_argument("--max-tokens", type=int, default=4096)
 
     args, rest = ap.parse_known_args(argv)
     if args.cmd == "train":
@@ -56,8 +70,23 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "serve":
+        backend = (os.environ.get("BACKEND") or "local").strip().lower()
+        if backend not in ("local", "ray"):
+            raise SystemExit(f"ocr-latent: BACKEND={backend!r}: use local (one process, the default) or ray (Ray Serve)")
+        if backend == "ray":
+            import ray_serve
+            return ray_serve.main()
         import server
         return server.main()
+    if args.cmd in ("bulk-encode", "bulk-decode"):
+        if args.actors < 1 or args.batch_size < 1 or getattr(args, "max_tokens", 1) < 1:
+            ap.error("--actors, --batch-size and --max-tokens must be >= 1")
+        import bulk
+        if args.cmd == "bulk-encode":
+            failed = bulk.bulk_encode(args.input, args.output, args.actors, args.batch_size)
+        else:
+            failed = bulk.bulk_decode(args.input, args.output, args.actors, args.batch_size, args.prompt, args.max_tokens)
+        return 1 if failed else 0
 
     from client import Client, ClientError
     from codesfile import SUFFIX, CodesFile, CodesFileError

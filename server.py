@@ -452,7 +452,9 @@ def _default_fatal(message: str) -> None:
     os._exit(1)
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, engine_factory: Callable[..., Engine] | None = None) -> FastAPI:
+    """`engine_factory(config, metrics, on_fatal)` makes the engine the endpoints use (default: `Engine`, in
+    this process); ray_serve.py passes one whose jobs run on Ray Serve replicas."""
     s = settings or Settings.from_env()
     metrics = Metrics()
     Image.MAX_IMAGE_PIXELS = s.max_image_pixels  # Pillow's own bomb check; above 2x it raises at open
@@ -460,7 +462,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine = Engine(s.engine, metrics, _default_fatal).start()
+        engine = (engine_factory or Engine)(s.engine, metrics, _default_fatal).start()
         app.state.engine = engine
         try:
             yield
