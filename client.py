@@ -22,8 +22,7 @@ from collections.abc import Iterator
 import httpx
 import numpy as np
 
-from codesfile import MEDIA_TYPE, CodesFile
-from quantizer import pack
+from codesfile import MEDIA_TYPE, CodesFile, pack
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 

@@ -1,4 +1,5 @@
-"""The `.olc` codes file: pages of codes that say which quantizer made them.
+"""The wire format of codes: 4096 codes packed into 2048 bytes, and the `.olc` codes file, pages of
+codes that say which quantizer made them (no torch here: the client and CLI import this).
 
     offset  size  field
     0       4     magic b"OLC1"
@@ -23,7 +24,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from architecture import MAX_LEVEL, NUM_CODES, PACKED_BYTES
-from quantizer import pack, unpack
 
 MAGIC = b"OLC1"
 VERSION = 1
@@ -31,6 +31,19 @@ MEDIA_TYPE = "application/vnd.ocr-latent.codes"
 SUFFIX = ".olc"
 HEADER = struct.Struct("<4sBBHI8s")
 FINGERPRINT = re.compile(r"[0-9a-f]{16}")
+
+
+def pack(codes) -> bytes:
+    """4096 codes in 0..15 -> 2048 bytes, two codes a byte, the first in the high nibble."""
+    c = np.asarray(codes, dtype=np.uint8).reshape(-1)
+    if c.size % 2 or c.max(initial=0) > 15:
+        raise ValueError("pack needs an even number of codes in 0..15")
+    return ((c[0::2] << 4) | c[1::2]).astype(np.uint8).tobytes()
+
+
+def unpack(data: bytes) -> np.ndarray:
+    b = np.frombuffer(data, dtype=np.uint8)
+    return np.stack([b >> 4, b & 15], axis=1).reshape(-1)
 
 
 class CodesFileError(ValueError):

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from codesfile import pack, unpack  # noqa: F401 - the wire format, kept where it is documented
+
 
 class ScalarCodes(nn.Module):
     """z [.., dims] --tanh bound--> u in (-L/2, L/2) --round--> level --> code = level + L//2.
@@ -253,16 +255,3 @@ def code_usage(codes: Tensor, q: ScalarCodes) -> dict:
             "dim_levels_used": [round(float((c > 0).sum()) / l, 3) for c, l in zip(per_dim, q.levels)],
             "dead_positions": int((per_pos.amax(-1) == per_pos.sum(-1)).sum()),
             "position_entropy_bits_mean": round(float(pos_entropy.mean()), 3), "pages": int(codes.shape[0])}
-
-
-def pack(codes: np.ndarray | Tensor) -> bytes:
-    """4096 codes in 0..15 -> 2048 bytes, two codes a byte, the first in the high nibble."""
-    c = np.asarray(codes, dtype=np.uint8).reshape(-1)
-    if c.size % 2 or c.max(initial=0) > 15:
-        raise ValueError("pack needs an even number of codes in 0..15")
-    return ((c[0::2] << 4) | c[1::2]).astype(np.uint8).tobytes()
-
-
-def unpack(data: bytes) -> np.ndarray:
-    b = np.frombuffer(data, dtype=np.uint8)
-    return np.stack([b >> 4, b & 15], axis=1).reshape(-1)

@@ -297,3 +297,10 @@ def test_client_api(server, pages):
         assert e.value.status == 409 and e.value.type == "quantizer_mismatch"
     with pytest.raises(Unreachable), Client(f"http://127.0.0.1:{free_port()}") as c:
         c.health()
+
+
+def test_the_client_and_the_command_do_not_load_torch():
+    # `ocr-latent decode` starts in well under a second instead of ~3 s
+    code = "import sys, cli, client, codesfile; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
