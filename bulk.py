@@ -148,7 +148,7 @@ def run_pool(ray, rows: list[dict], actor, ctor_kwargs: dict, actors: int, batch
     cpus = env_number("REPLICA_CPUS", float(EngineConfig.from_env().torch_threads or 1), float, 0)
     out = ds.map_batches(actor, fn_constructor_kwargs=ctor_kwargs, batch_size=batch_size, batch_format="numpy",
                          compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=cpus)
-    with tqdm(total=len(rows), unit="page", desc=what, file=sys.stderr, disable=None) as bar:
+    with tqdm(total=len(rows), unit="page", desc=what, file=sys.stderr, mininterval=2) as bar:
         for batch in out.iter_batches(batch_size=None, batch_format="numpy"):
             yield batch
             bar.update(len(batch["path"]))
