@@ -106,6 +106,7 @@ class EngineConfig:
     encode_batch_window_ms: float = 5.0  # ENCODE_BATCH_WINDOW_MS
     encode_max_batch: int = 8  # ENCODE_MAX_BATCH
     decode_slots: int = 16  # DECODE_SLOTS
+    kv_cache_tokens: int | None = None  # KV_CACHE_TOKENS: key/value positions allocated at startup for all slots
     max_queue: int = 64  # MAX_QUEUE: jobs waiting for the worker (not yet batched)
     request_timeout_s: float = 120.0  # REQUEST_TIMEOUT_S: per-job deadline
     retry_after_s: int = 1  # RETRY_AFTER_S: advice to a caller refused by a full queue
@@ -130,6 +131,7 @@ class EngineConfig:
             encode_batch_window_ms=env_number("ENCODE_BATCH_WINDOW_MS", 5.0, float, 0),
             encode_max_batch=env_number("ENCODE_MAX_BATCH", 8, int, 1),
             decode_slots=env_number("DECODE_SLOTS", 16, int, 1),
+            kv_cache_tokens=env_number("KV_CACHE_TOKENS", None, int, 2),
             max_queue=env_number("MAX_QUEUE", 64, int, 1),
             request_timeout_s=env_number("REQUEST_TIMEOUT_S", 120.0, float, 0.001),
             retry_after_s=env_number("RETRY_AFTER_S", 1, int, 0),
@@ -250,8 +252,16 @@ class Engine:
         if prompt not in self.prompts:
             raise ValueError(f"prompt {prompt!r} is not available for model {self.pipeline.label!r} "
                              f"(available: {', '.join(self.prompts)})")
+        if max_tokens > (most := self.max_new_tokens(prompt)):
+            raise ValueError(f"max_tokens={max_tokens} does not fit: a sequence holds {self.gen.slot_tokens} positions "
+                             f"(the model's {self.gen.max_positions}, or KV_CACHE_TOKENS / DECODE_SLOTS) and the page "
+                             f"and prompt take {self.pipeline.prompt_length(prompt)}; at most {most}")
         return self.submit(DecodeJob(codes=codes, prompt=prompt, max_tokens=max_tokens, on_text=on_text,
                                      deadline=self.deadline(timeout_s)))
+
+    def max_new_tokens(self, prompt: str = "free") -> int:
+        """The most tokens a decode with `prompt` may ask for: what a cache slot holds beyond the prompt."""
+        return self.gen.slot_tokens - self.pipeline.prompt_length(prompt)
 
     @property
     def prompts(self) -> dict:
@@ -347,7 +357,11 @@ class Engine:
         self.pipeline = load_pipeline(self.s.model_dir, self.s.quantizer, self.s.device, self.s.dtype, self.s.prefill_dtype)
         if "free" not in self.pipeline.prompts:
             raise StartupError("the model's tokenizer cannot spell the 'free' prompt")
-        self.gen = self.pipeline.new_generator(self.s.decode_slots)
+        self.gen = self.pipeline.new_generator(self.s.decode_slots, self.s.kv_cache_tokens)
+        if any(self.max_new_tokens(p) < 1 for p in self.pipeline.prompts):
+            raise StartupError(f"KV_CACHE_TOKENS={self.s.kv_cache_tokens} leaves {self.gen.slot_tokens} positions per "
+                               f"sequence ({self.s.decode_slots} DECODE_SLOTS), less than a page's prompt "
+                               f"({self.pipeline.prompt_length('free')}): raise it or lower DECODE_SLOTS")
         t1 = time.monotonic()
         # warm-up: one encode and one short decode through the same code path as requests
         codes = self.pipeline.encode([Image.new("RGB", (64, 64), (255, 255, 255))])
@@ -535,7 +549,7 @@ class Engine:
             self._resolve(j, error=err)
         self.running = []
         self.m.active.set(0)
-        self.gen = self.pipeline.new_generator(self.s.decode_slots)
+        self.gen = self.pipeline.new_generator(self.s.decode_slots, self.s.kv_cache_tokens)
 
     def _fail_everything(self, err: EngineError) -> None:
         with self.cv:

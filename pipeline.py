@@ -62,6 +62,7 @@ class Pipeline:
         # prompts the model's tokenizer can spell ("markdown" needs <|grounding|> as one token)
         self.prompts = {k: model.prompt_ids(p) for k, p in prompts.items() if self._spellable(p)}
         self.rule = RepetitionRule(**GENERATION["repetition"], exempt=frozenset(model.tokens.td))
+        self._prompt_lengths: dict[str, int] = {}
 
     def _spellable(self, prompt: str) -> bool:
         special = [t for t in ("<|grounding|>",) if t in prompt]
@@ -79,8 +80,16 @@ class Pipeline:
         feats = self.quantizer.decode(torch.as_tensor(codes, dtype=torch.uint8, device=d.lm_head.weight.device)[None])[0]
         return d.build_inputs(d.layout_image(feats.to(d.lm_head.weight.dtype)), self.prompts[prompt], self.model.tokens.bos)
 
-    def new_generator(self, slots: int) -> Generator:
-        return Generator(self.model.decoder, slots, self.model.tokens.eos, self.rule, self.prefill_decoder)
+    def new_generator(self, slots: int, kv_tokens: int | None = None) -> Generator:
+        return Generator(self.model.decoder, slots, self.model.tokens.eos, self.rule, self.prefill_decoder,
+                         kv_tokens=kv_tokens)
+
+    def prompt_length(self, prompt: str) -> int:
+        """Decoder input positions of a page with `prompt` (image tokens, separators, BOS, prompt): the
+        same for every page of a mode."""
+        if prompt not in self._prompt_lengths:
+            self._prompt_lengths[prompt] = self.decode_inputs(np.zeros(NUM_CODES, np.uint8), prompt).shape[0]
+        return self._prompt_lengths[prompt]
 
     def text(self, tokens: list[int]) -> str:
         return self.model.detokenize(tokens)

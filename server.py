@@ -556,6 +556,11 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
             raise ClientGone()
         raise http_error(engine.deadline_error())
 
+    def default_max_tokens(engine: Engine, prompt: str) -> int:
+        """4096, or what a cache slot holds beyond the prompt when that is less (KV_CACHE_TOKENS)."""
+        most = engine.max_new_tokens(prompt) if hasattr(engine, "max_new_tokens") and prompt in engine.prompts else None
+        return 4096 if most is None else max(1, min(4096, most))
+
     def check_quantizer(engine: Engine, fingerprint: str | None) -> None:
         own = engine.pipeline.quantizer_fingerprint
         if fingerprint is not None and fingerprint != own:
@@ -644,14 +649,14 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
               openapi_extra=decode_body)
     async def decode(request: Request,
                      prompt: Literal["free", "markdown"] = Query("free", description="as the JSON field prompt"),
-                     max_tokens: int = Query(4096, ge=1, le=MAX_TOKENS, description="as the JSON field max_tokens")):
+                     max_tokens: int | None = Query(None, ge=1, le=MAX_TOKENS, description="as the JSON field max_tokens")):
         """Codes -> the page's text, greedy. JSON with `codes` or `codes_b64` (one page; `stream` for
         server-sent events), or a codes file as the raw body (every page; refused with a 409 when another
         quantizer made it)."""
         engine = engine_of(request)
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype in (CODES_MEDIA_TYPE, "application/octet-stream"):
-            return await decode_file(request, engine, await request.body(), prompt, max_tokens)
+            return await decode_file(request, engine, await request.body(), prompt, max_tokens or default_max_tokens(engine, prompt))
         body = await read_json(request)
         try:
             req = DecodeRequest.model_validate(body)
@@ -667,7 +672,8 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
                                                        f"need exactly {PACKED_BYTES} bytes ({NUM_CODES} codes)")
             from quantizer import unpack
             codes = unpack(raw).astype(np.uint8)
-        prompt, max_tokens = req.prompt or prompt, req.max_tokens or max_tokens
+        prompt = req.prompt or prompt
+        max_tokens = req.max_tokens or max_tokens or default_max_tokens(engine, prompt)
         if req.stream:
             return stream_decode(request, engine, codes, prompt, max_tokens)
         try:
@@ -759,9 +765,15 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
         decode_op = live["paths"]["/decode"]["post"]
         decode_op["requestBody"]["content"]["application/json"]["schema"] = decode_request_schema(
             p.quantizer_fingerprint, sorted(p.prompts))
+        most = min(engine.max_new_tokens(name) for name in p.prompts) if hasattr(engine, "max_new_tokens") else None
         for param in decode_op["parameters"]:
             if param["name"] == "prompt":
                 param["schema"]["enum"] = sorted(p.prompts)
+            if param["name"] == "max_tokens" and most is not None:
+                param["schema"]["anyOf"][0]["maximum"] = min(MAX_TOKENS, most)
+        if most is not None:
+            decode_op["requestBody"]["content"]["application/json"]["schema"]["properties"]["max_tokens"]["maximum"] = \
+                min(MAX_TOKENS, most)
         return live
 
     app.openapi = openapi

@@ -304,3 +304,13 @@ def test_the_client_and_the_command_do_not_load_torch():
     code = "import sys, cli, client, codesfile; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_max_tokens_beyond_the_models_positions_is_a_422_that_says_the_limit(http):
+    err = assert_error(http.post("/decode", json={"codes": [8] * 4096, "max_tokens": 8192}), 422)
+    most = int(err["message"].rsplit("at most ", 1)[1])
+    assert 0 < most < 8192 and "positions" in err["message"]
+    schema = http.get("/openapi.json").json()["paths"]["/decode"]["post"]
+    assert schema["requestBody"]["content"]["application/json"]["schema"]["properties"]["max_tokens"]["maximum"] == most
+    r = http.post("/decode", json={"codes": [8] * 4096, "max_tokens": most})
+    assert r.status_code == 200 and r.json()["num_tokens"] <= most

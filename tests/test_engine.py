@@ -83,3 +83,28 @@ def test_streamed_pieces_join_into_the_text_even_across_split_characters():
     assert "".join(pieces) == text.strip()
     assert not any("\ufffd" in p for p in pieces)
     assert sum(bool(p) for p in pieces) > 10  # it streams, not all at the end
+
+
+def test_the_kv_cache_is_sized_once_and_requests_that_cannot_fit_are_refused(pages):
+    import numpy as np
+    slot = 400
+    engine = Engine(EngineConfig(torch_threads=1, decode_slots=2, kv_cache_tokens=2 * slot)).start()
+    try:
+        engine.wait_ready(60)
+        cache = engine.gen.cache
+        k, v, shape = cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape)
+        assert shape[1] == 2 and shape[3] == slot  # DECODE_SLOTS x KV_CACHE_TOKENS / DECODE_SLOTS positions
+        most = engine.max_new_tokens("free")
+        assert most == slot - engine.pipeline.prompt_length("free") > 0
+        codes = engine.encode(pages[0].image).future.result(60)
+        with pytest.raises(ValueError, match=f"at most {most}"):
+            engine.decode(codes, "free", most + 1)
+        # long requests (random codes read on and on), two at once, up to the slot's end
+        noise = [np.random.default_rng(i).integers(0, 16, 4096).astype(np.uint8) for i in range(2)]
+        results = [j.future.result(300) for j in [engine.decode(c, "free", most) for c in noise]]
+        assert all(r.num_tokens <= most for r in results)
+        assert engine.decode(codes, "free", most).future.result(60).text  # still reads after them
+        assert (engine.gen.cache.k.data_ptr(), engine.gen.cache.v.data_ptr(), tuple(engine.gen.cache.k.shape)) == \
+            (k, v, shape)
+    finally:
+        engine.stop()

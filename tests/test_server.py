@@ -496,10 +496,10 @@ def test_repetition_finish(tmp_path_factory, looping_model):
     try:
         with httpx.Client(base_url=srv.url, timeout=120) as c:
             with ThreadPoolExecutor(3) as pool:
-                outs = list(pool.map(lambda v: decode(c, [v] * NUM_CODES, 8192), (0, 9, 12)))
+                outs = list(pool.map(lambda v: decode(c, [v] * NUM_CODES, 7900), (0, 9, 12)))
             for out in outs:
                 assert out["finish_reason"] == "repetition", out
-                assert 0 < out["num_tokens"] < 8192
+                assert 0 < out["num_tokens"] < 7900
             assert metric(c, "ocr_latent_decode_finished_total", reason="repetition") == 3
     finally:
         srv.stop()
@@ -538,7 +538,7 @@ def wait_for(predicate, timeout: float) -> bool:
 
 def test_full_queue_gives_503_and_hang_ups_free_the_slots(slow):
     url = str(slow.base_url).rstrip("/")
-    body = {"codes": [8] * NUM_CODES, "max_tokens": 8192}
+    body = {"codes": [8] * NUM_CODES, "max_tokens": 7900}
     results: list = []
     # hang up after 2.5 s: before the 3 s deadline, long before the loop detector could end them (4.8 s)
     holders = [threading.Thread(target=_hold, args=(url, body, 2.5, results)) for _ in range(3)]
@@ -616,7 +616,7 @@ def test_sigterm_mid_decode_answers_every_request_with_json(tmp_path_factory, lo
 
 def test_deadline_gives_504(slow):
     t0 = time.monotonic()
-    err = assert_error(slow.post("/decode", json={"codes": [8] * NUM_CODES, "max_tokens": 8192}), 504)
+    err = assert_error(slow.post("/decode", json={"codes": [8] * NUM_CODES, "max_tokens": 7900}), 504)
     assert err["type"] == "timeout" and "REQUEST_TIMEOUT_S" in err["message"]
     assert 2.9 < time.monotonic() - t0 < 6
     assert wait_for(lambda: metric(slow, "ocr_latent_active_sequences") == 0, 3)
