@@ -20,7 +20,7 @@ from codesfile import HEADER, MEDIA_TYPE, CodesFile, CodesFileError
 from documents import DocumentError, parse_pages
 from metrics import cer
 from pages import PageSpec, PageStream, load_corpus, split_documents
-from test_server import Server, assert_error, free_port, metric, png_bytes
+from test_server import assert_error, free_port, metric, png_bytes, serving
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key-0123"
@@ -72,12 +72,8 @@ def test_page_selection():
 # ----------------------------------------------------------------------------- a server
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("client"), "nano", API_KEY=KEY, MAX_PAGES=MAX_PAGES)
-    try:
-        srv.wait_healthy(60)
+    with serving(tmp_path_factory.mktemp("client"), "nano", API_KEY=KEY, MAX_PAGES=MAX_PAGES) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -215,9 +211,7 @@ def test_stream_refusals_are_plain_json_errors(http):
 
 
 def test_a_client_that_leaves_a_stream_stops_its_work(tmp_path):
-    srv = Server(tmp_path, "slow", OCR_LATENT_TEST_STEP_DELAY_S=0.1)
-    try:
-        srv.wait_healthy(60)
+    with serving(tmp_path, "slow", OCR_LATENT_TEST_STEP_DELAY_S=0.1) as srv:
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             codes = [int(x) for x in np.random.default_rng(0).integers(0, 16, 4096)]
             with c.stream("POST", "/decode", json={"codes": codes, "stream": True, "max_tokens": 2000}) as r:
@@ -228,8 +222,6 @@ def test_a_client_that_leaves_a_stream_stops_its_work(tmp_path):
             assert metric(c, "ocr_latent_dropped_total", reason="cancelled") == 1
             assert metric(c, "ocr_latent_active_sequences") == 0
             assert metric(c, "ocr_latent_decode_finished_total") == 0
-    finally:
-        srv.stop()
 
 
 # ----------------------------------------------------------------------------- client and CLI

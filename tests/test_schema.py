@@ -14,7 +14,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (content_type_conformance, positive_data_acceptance,
                                                response_schema_conformance, status_code_conformance)
 
-from test_server import Server
+from test_server import serving
 
 BINARY = ("image/", "application/pdf", "application/octet-stream", "application/vnd.ocr-latent.codes",
           "multipart/form-data")
@@ -22,12 +22,8 @@ BINARY = ("image/", "application/pdf", "application/octet-stream", "application/
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("schema"), "nano", MAX_BODY_BYTES=2_000_000, MAX_PAGES=2)
-    try:
-        srv.wait_healthy(60)
+    with serving(tmp_path_factory.mktemp("schema"), "nano", MAX_BODY_BYTES=2_000_000, MAX_PAGES=2) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

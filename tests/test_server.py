@@ -13,6 +13,7 @@ make every decode step ~50x slower.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import re
@@ -100,15 +101,22 @@ class Server:
         return self.proc.returncode
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("server"), "nano", OCR_LATENT_TEST_LOAD_DELAY_S=1.0,
-                 MAX_BODY_BYTES=BODY_LIMIT, MAX_IMAGE_PIXELS=PIXEL_LIMIT, DECODE_SLOTS=16, ENCODE_MAX_BATCH=8)
+@contextlib.contextmanager
+def serving(tmp: Path, name: str, timeout: float = 60.0, **env):
+    """A healthy server for the block, stopped after it."""
+    srv = Server(tmp, name, **env)
     try:
-        srv.wait_healthy(30)
+        srv.wait_healthy(timeout)
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with serving(tmp_path_factory.mktemp("server"), "nano", 30, OCR_LATENT_TEST_LOAD_DELAY_S=1.0, MAX_BODY_BYTES=BODY_LIMIT,
+                 MAX_IMAGE_PIXELS=PIXEL_LIMIT, DECODE_SLOTS=16, ENCODE_MAX_BATCH=8) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
