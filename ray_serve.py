@@ -44,7 +44,7 @@ RESEND_ATTEMPTS = 4  # sends of one request whose replica died before answering
 # what the replicas read from the environment; forwarded to them (a joined cluster's workers do not
 # inherit this process's environment)
 FORWARDED_ENV = ("MODEL_DIR", "QUANTIZER", "VERIFY_PIN", "DEVICE", "DTYPE", "PREFILL_DTYPE", "TORCH_THREADS",
-                 "ENCODE_BATCH_WINDOW_MS", "ENCODE_MAX_BATCH", "DECODE_SLOTS", "MAX_QUEUE", "REQUEST_TIMEOUT_S",
+                 "ENCODE_BATCH_WINDOW_MS", "ENCODE_MAX_BATCH", "DECODE_SLOTS", "MAX_QUEUE", "KV_CACHE_TOKENS", "REQUEST_TIMEOUT_S",
                  "RETRY_AFTER_S", "SHUTDOWN_DRAIN_S", "MAX_BODY_BYTES", "MAX_IMAGE_PIXELS", "MAX_PAGES", "API_KEY",
                  "API_KEY_FILE", "HEADER_TIMEOUT_S", "MAX_CONNECTIONS", "LOG_LEVEL",
                  "OCR_LATENT_TEST_LOAD_DELAY_S", "OCR_LATENT_TEST_STEP_DELAY_S")
@@ -79,7 +79,8 @@ class EngineReplica:
     def info(self) -> dict:
         p = self.engine.pipeline
         return {"quantizer_fingerprint": p.quantizer_fingerprint, "mode": p.mode, "prompts": list(p.prompts),
-                "label": p.label, "revision": p.revision, "device": p.device}
+                "label": p.label, "revision": p.revision, "device": p.device,
+                "max_new_tokens": {name: self.engine.max_new_tokens(name) for name in p.prompts}}
 
     def check_health(self) -> None:  # Serve replaces a replica whose engine died
         if self.engine.failed or not self.engine.thread.is_alive():
@@ -152,6 +153,7 @@ class RemoteEngine:
         self.s, self.m = config, metrics or Metrics()
         self.handles = {kind: serve.get_deployment_handle(kind, app_name) for kind in ("encode", "decode")}
         self.pipeline, self.ready, self.failed = None, False, None
+        self.most_tokens: dict[str, int] = {}
         self.loader: asyncio.Task | None = None
 
     def start(self) -> "RemoteEngine":  # called in the app's lifespan, on its event loop
@@ -170,6 +172,7 @@ class RemoteEngine:
                            f"{decode['quantizer_fingerprint']}: give both the same MODEL_DIR and QUANTIZER")
             log.error("%s", self.failed)
             return
+        self.most_tokens = decode.pop("max_new_tokens")
         self.pipeline = SimpleNamespace(**{**decode, "prompts": dict.fromkeys(decode["prompts"])})
         self.ready = True
         self.m.ready.set(1)
@@ -187,6 +190,10 @@ class RemoteEngine:
     @property
     def prompts(self) -> dict:
         return self.pipeline.prompts if self.pipeline is not None else {}
+
+    def max_new_tokens(self, prompt: str = "free") -> int:
+        """As Engine.max_new_tokens: what a decode replica's cache slot holds beyond the prompt."""
+        return self.most_tokens[prompt]
 
     def deadline(self, timeout_s: float | None = None) -> float:
         return time.monotonic() + (self.s.request_timeout_s if timeout_s is None else timeout_s)
@@ -206,6 +213,9 @@ class RemoteEngine:
         if prompt not in self.prompts:
             raise ValueError(f"prompt {prompt!r} is not available for model {self.pipeline.label!r} "
                              f"(available: {', '.join(self.prompts)})")
+        if max_tokens > (most := self.max_new_tokens(prompt)):  # the replica would refuse it: a 422, not a 500
+            raise ValueError(f"max_tokens={max_tokens} does not fit a decode replica's cache slot (KV_CACHE_TOKENS, "
+                             f"DECODE_SLOTS) with this page and prompt; at most {most}")
         job = RemoteJob(deadline=self.deadline(timeout_s))
         args = (codes, prompt, max_tokens)
         job.task = asyncio.get_running_loop().create_task(

@@ -138,6 +138,7 @@ def test_health_errors_and_metrics_are_the_plain_servers(clients):
            ("POST", "/decode", {"json": {"codes_b64": codes, "quantizer": "0" * 16}}),
            ("POST", "/decode", {"json": {"codes_b64": codes, "prompt": "markdown"}}),  # nano cannot spell it
            ("POST", "/decode", {"json": {"codes_b64": codes[:-8]}}),
+           ("POST", "/decode", {"json": {"codes_b64": codes, "max_tokens": 8192}}),  # beyond a cache slot
            ("POST", "/encode", {"content": b"not an image", "headers": {"Content-Type": "image/png"}}),
            ("POST", "/encode", {"content": b"x" * 1_100_000, "headers": {"Content-Type": "image/png"}})]
     for method, path, kw in bad:
