@@ -9,6 +9,7 @@ plain server's /encode and /decode over 40 rendered pages.
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import io
 import json
 import os
@@ -207,15 +208,16 @@ def test_killing_a_decode_replica_loses_no_request(servers, short_texts):
     _, ray = servers
     victims = replica_pids("decode")
     assert len(victims) == 2, victims
-    codes = list(short_texts) * 2  # 32 requests over both replicas
+    codes = list(short_texts) * 4  # 64 requests over both replicas
 
     def one(c: str) -> httpx.Response:
         with httpx.Client(base_url=ray.url, timeout=180) as client:
             return decode_short(client, c)
 
-    with ThreadPoolExecutor(32) as pool:
+    with ThreadPoolExecutor(len(codes)) as pool:
         pending = [pool.submit(one, c) for c in codes]
-        time.sleep(1.5)  # the requests are on the replicas
+        # kill as soon as the first answers arrive: the replicas are busy, most requests still on them
+        concurrent.futures.wait(pending, timeout=60, return_when=concurrent.futures.FIRST_COMPLETED)
         assert not all(f.done() for f in pending), "the load ended before the kill: make it longer"
         os.kill(victims[0], signal.SIGKILL)
         answers = [f.result() for f in pending]
