@@ -306,3 +306,14 @@ def test_max_tokens_beyond_the_models_positions_is_a_422_that_says_the_limit(htt
     assert schema["requestBody"]["content"]["application/json"]["schema"]["properties"]["max_tokens"]["maximum"] == most
     r = http.post("/decode", json={"codes": [8] * 4096, "max_tokens": most})
     assert r.status_code == 200 and r.json()["num_tokens"] <= most
+
+
+def test_codes_may_be_integral_floats_but_nothing_else(http):
+    ok = http.post("/decode", json={"codes": [8.0] * 4096, "max_tokens": 4.0})  # JSON Schema integers
+    assert ok.status_code == 200 and ok.json() == http.post("/decode", json={"codes": [8] * 4096, "max_tokens": 4}).json()
+    for bad, says in (([8] * 4095 + [1.5], "codes[4095] = 1.5 is not an integer"),
+                      ([8] * 4095 + [float("nan")], "codes[4095] = nan is not an integer"),
+                      ([8] * 4095 + [16.0], "out of range"), ([True] * 4096, "valid integer")):
+        body = json.dumps({"codes": bad})  # NaN as JSON's NaN literal, which Python's parser reads
+        assert says in assert_error(http.post("/decode", content=body, headers={"Content-Type": "application/json"}),
+                                    422)["message"]
