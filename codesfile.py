@@ -92,7 +92,3 @@ class CodesFile:
         pages = [unpack(data[start + i * page_bytes: start + (i + 1) * page_bytes]).astype(np.uint8)
                  for i in range(count)]
         return cls(fingerprint.hex(), mode, pages)
-
-
-def looks_like_codes_file(data: bytes) -> bool:
-    return data[:4] == MAGIC

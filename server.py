@@ -42,7 +42,7 @@ from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from architecture import BITS_PER_CODE, MAX_LEVEL, NUM_CODES, PACKED_BYTES, PROMPTS
-from codesfile import FINGERPRINT, MEDIA_TYPE as CODES_MEDIA_TYPE, CodesFile, CodesFileError, looks_like_codes_file
+from codesfile import FINGERPRINT, MEDIA_TYPE as CODES_MEDIA_TYPE, CodesFile, CodesFileError, pack, unpack
 from documents import DocumentError, looks_like_pdf, render_pdf
 from engine import (Cancelled, DeadlineExceeded, DecodeResult, Engine, EngineConfig, EngineError, Job,
                     Loading, Overloaded, Unavailable, env_number, env_text)
@@ -260,7 +260,7 @@ class BodyTooLarge(Exception):
 
 
 class ClientGone(Exception):
-    pass
+    """The client hung up while its jobs ran (they are cancelled)."""
 
 
 def error_response(status: int, type: str, message: str, headers: dict | None = None) -> JSONResponse:
@@ -491,10 +491,11 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
             return error_response(400, "invalid_json", "request body is not valid JSON")
         return error_response(422, "invalid_request", validation_message(exc))
 
-    @app.exception_handler(ClientDisconnect)
-    async def _client_gone(request: Request, exc: ClientDisconnect):
+    @app.exception_handler(ClientDisconnect)  # during the upload
+    @app.exception_handler(ClientGone)  # while its jobs ran
+    async def _client_gone(request: Request, exc: Exception):
         # nobody reads this answer; it is what /metrics counts (499, not a server error)
-        return error_response(499, "client_closed_request", "the client disconnected before sending its body")
+        return error_response(499, "client_closed_request", "the client disconnected")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -617,8 +618,8 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
         engine = engine_of(request)
         as_file = format == "olc" or format is None and CODES_MEDIA_TYPE in request.headers.get("accept", "")
         data = await read_image_bytes(request, s)
-        p = engine.pipeline
-        if looks_like_pdf(data):
+        p, is_pdf = engine.pipeline, looks_like_pdf(data)
+        if is_pdf:
             try:
                 rendered = await asyncio.to_thread(render_pdf, data, p.mode, pages, s.max_pages)
             except DocumentError as e:
@@ -629,15 +630,11 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
             if pages is not None:
                 raise ApiError(422, "invalid_request", "pages= selects pages of a PDF; this is a single image")
             numbers, images = [1], [await asyncio.to_thread(open_image, data, s.max_image_pixels)]
-        try:
-            codes = await run_jobs(request, engine, [lambda im=im: engine.encode(im) for im in images])
-        except ClientGone:
-            return error_response(499, "client_closed_request", "the client disconnected")
+        codes = await run_jobs(request, engine, [lambda im=im: engine.encode(im) for im in images])
         if as_file:
             return Response(CodesFile(p.quantizer_fingerprint, p.mode, codes).to_bytes(), media_type=CODES_MEDIA_TYPE)
-        from quantizer import pack
         packed = [base64.b64encode(pack(c)).decode() for c in codes]
-        if looks_like_pdf(data):
+        if is_pdf:
             return EncodePagesResponse(pages=[PageCodes(page=n, codes=c.tolist(), codes_b64=b)
                                               for n, c, b in zip(numbers, codes, packed)],
                                        quantizer=p.quantizer_fingerprint, mode=p.mode)
@@ -676,16 +673,12 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
             if len(raw) != PACKED_BYTES:
                 raise ApiError(422, "invalid_request", f"codes_b64 holds {len(raw)} bytes = {2 * len(raw)} codes; "
                                                        f"need exactly {PACKED_BYTES} bytes ({NUM_CODES} codes)")
-            from quantizer import unpack
             codes = unpack(raw).astype(np.uint8)
         prompt = req.prompt or prompt
         max_tokens = req.max_tokens or max_tokens or default_max_tokens(engine, prompt)
         if req.stream:
             return stream_decode(request, engine, codes, prompt, max_tokens)
-        try:
-            [result] = await run_jobs(request, engine, [lambda: engine.decode(codes, prompt, max_tokens)])
-        except ClientGone:
-            return error_response(499, "client_closed_request", "the client disconnected")
+        [result] = await run_jobs(request, engine, [lambda: engine.decode(codes, prompt, max_tokens)])
         return DecodeResponse(text=result.text, num_tokens=result.num_tokens, finish_reason=result.finish_reason,
                               prompt_tokens=result.prompt_tokens)
 
@@ -700,11 +693,7 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
         if len(doc.pages) > s.max_pages:
             raise ApiError(413, "payload_too_large", f"the codes file holds {len(doc.pages)} pages; at most "
                                                      f"{s.max_pages} per request (MAX_PAGES)")
-        try:
-            results = await run_jobs(request, engine, [lambda c=c: engine.decode(c, prompt, max_tokens)
-                                                       for c in doc.pages])
-        except ClientGone:
-            return error_response(499, "client_closed_request", "the client disconnected")
+        results = await run_jobs(request, engine, [lambda c=c: engine.decode(c, prompt, max_tokens) for c in doc.pages])
         return DecodePagesResponse(quantizer=doc.quantizer, pages=[
             PageText(page=i + 1, text=r.text, num_tokens=r.num_tokens, finish_reason=r.finish_reason,
                      prompt_tokens=r.prompt_tokens) for i, r in enumerate(results)])
