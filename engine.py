@@ -249,6 +249,7 @@ class Engine:
 
     def decode(self, codes: np.ndarray, prompt: str = "free", max_tokens: int = 4096,
                timeout_s: float | None = None, on_text: Callable[[str], None] | None = None) -> DecodeJob:
+        self.check_ready()  # the prompts and the cache's size are known once loaded
         if prompt not in self.prompts:
             raise ValueError(f"prompt {prompt!r} is not available for model {self.pipeline.label!r} "
                              f"(available: {', '.join(self.prompts)})")

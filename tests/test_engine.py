@@ -3,6 +3,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from conftest import ROOT
@@ -28,6 +29,8 @@ def test_jobs_submitted_from_threads_read_their_pages(pages):
     try:
         with pytest.raises(Unavailable):  # refused, not queued, while loading
             engine.encode(pages[0].image)
+        with pytest.raises(Unavailable):
+            engine.decode(np.zeros(4096, np.uint8))
         engine.wait_ready(60)
         encodes = [engine.encode(p.image) for p in pages]  # one batch through the towers
         codes = [j.future.result(60) for j in encodes]
