@@ -129,7 +129,7 @@ def decode(client, doc, args) -> None:
     out = sys.stdout
     if args.stream:
         for i, codes in enumerate(doc.pages):
-            if i:
+            if i and not args.json:
                 out.write(PAGE_SEPARATOR)
             final: dict = {}
             for piece in client.decode_stream(codes, doc.quantizer, args.prompt, args.max_tokens, final):

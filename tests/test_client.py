@@ -251,8 +251,10 @@ def test_cli_encode_then_decode_prints_the_pages_text(server, pages, tmp_path):
     text = ocr_latent("decode", str(tmp_path / "two.olc"), *auth).stdout.decode()
     first, second = text.split("\f\n")
     assert cer(first.strip(), pages[1].text) < 0.35 and cer(second.strip(), pages[3].text) < 0.35, text
-    lines = ocr_latent("decode", "-", "--json", *auth, input=(tmp_path / "two.olc").read_bytes()).stdout.splitlines()
-    assert [json.loads(line)["page"] for line in lines] == [1, 2]
+    for stream in ((), ("--stream",)):
+        lines = ocr_latent("decode", "-", "--json", *stream, *auth, input=(tmp_path / "two.olc").read_bytes()).stdout
+        pages = [json.loads(line) for line in lines.splitlines()]
+        assert [p["page"] for p in pages] == [1, 2] and [p["text"] for p in pages] == [first.strip(), second.strip()]
 
 
 def test_cli_errors_are_messages_and_exit_status_1(server, tmp_path):
