@@ -604,7 +604,8 @@ class Generator:
             self._compute(B, L)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: another thread's CUDA work (an encode batch, a test) does not break the capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits, best = self._advance(B, L)
         self._graphs[B, L] = (graph, logits, best)
 

@@ -12,18 +12,27 @@ parameters) with random weights made on the device (nothing is downloaded), then
     time per output token p50/p99 (one step gives every sequence one token), peak memory; eager and
     with every step shape captured as a CUDA graph, in the same run, and whether both gave the same
     tokens;
+  * time to healthy: the random model written as an original-layout checkpoint (safetensors, config.json,
+    the nano tokenizer's files) with a quantizer made for it, then a fresh process timed from its start
+    until its engine is ready (weights read and moved to the device, one warm-up encode and decode);
   * peak memory of the whole run.
-Prints progress on stderr and one JSON line on stdout. A section that would run past --budget-s is
-skipped and named in "skipped".
+Prints progress on stderr and one JSON line on stdout (also written to --out after each section, so a
+run stopped early keeps what it measured). A section that would run past --budget-s is skipped and
+named in "skipped". --profile FILE adds torch.profiler tables of a few decode steps at each level.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
+import re
 import resource
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from checkpoint import build_modules  # noqa: E402
+from checkpoint import OCRModel, SpecialTokens, build_modules, save_model  # noqa: E402
 from decoder import Generator, RMSNorm, grouped_mm_works  # noqa: E402
 from encoder import LayerNorm2d  # noqa: E402
 
@@ -104,8 +113,10 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 @torch.inference_mode()
-def bench_decode(decoder, c: int, prompt_len: int, new_tokens: int, graphs: bool, device, seed: int) -> dict:
-    """c sequences of prompt_len random embeddings, prefilled together, then new_tokens each."""
+def bench_decode(decoder, c: int, prompt_len: int, new_tokens: int, graphs: bool, device, seed: int,
+                 profile: Path | None = None) -> tuple[dict, list]:
+    """c sequences of prompt_len random embeddings, prefilled together, then new_tokens each. With
+    `profile`, the last few steps run under torch.profiler (untimed) and its table is appended there."""
     slot = 1 << (prompt_len + new_tokens - 1).bit_length()  # a power of two: the steps' length bucket fits
     gen = Generator(decoder, c, eos_id=-1, rule=None, kv_tokens=c * slot, buckets=True, cuda_graphs=graphs)
     g = torch.Generator(device).manual_seed(seed)
@@ -117,15 +128,24 @@ def bench_decode(decoder, c: int, prompt_len: int, new_tokens: int, graphs: bool
     seqs = gen.add(prompts, [new_tokens] * c)
     sync(device)
     prefill_s = time.perf_counter() - t
-    warm, times = 2, []  # the first steps capture the graph of this shape (or warm the eager kernels)
+    warm, times, profiled = 2, [], 4 if profile else 0  # the first steps capture the graph of this shape (or warm the eager kernels)
     t0 = time.perf_counter()
     for _ in range(warm):
         gen.step()
     first_s = time.perf_counter() - t0
-    while any(s.finish_reason is None for s in seqs):
+    while len(seqs[0].tokens) < new_tokens - profiled:
         t = time.perf_counter()
         gen.step()  # ends with the step's copy of the new tokens to the host: a synchronisation
         times.append(time.perf_counter() - t)
+    if profiled:
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch.profiler.profile(activities=activities) as prof:
+            while seqs[0].finish_reason is None:
+                gen.step()
+        sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        with profile.open("a") as f:
+            f.write(f"\n## decode {'graph' if graphs else 'eager'} concurrency {c}: {profiled} steps\n")
+            f.write(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70) + "\n")
     total = sum(times)
     out = {"prefill_s": prefill_s, "tokens_per_s": c * len(times) / total, "steps_timed": len(times),
            "tpot_ms_p50": 1e3 * statistics.median(times), "tpot_ms_p99": 1e3 * percentile(times, 99),
@@ -135,6 +155,52 @@ def bench_decode(decoder, c: int, prompt_len: int, new_tokens: int, graphs: bool
         f"per token p50 {out['tpot_ms_p50']:.2f} ms p99 {out['tpot_ms_p99']:.2f} ms, prefill {prefill_s:.3f} s, "
         f"peak {out['peak_gb']:.1f} GB")
     return out, [s.tokens for s in seqs]
+
+
+READY = """
+import json, logging, sys, time
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from engine import Engine, EngineConfig
+engine = Engine(EngineConfig.from_env()).start()
+engine.wait_ready(float(sys.argv[1]))
+print(json.dumps({"ready": engine.ready, "failed": engine.failed}))
+"""
+
+
+def time_to_healthy(encoder, decoder, cfg: dict, device, dtype, timeout_s: float) -> dict:
+    """The random model as a checkpoint on disk, and a fresh process timed from its start to a ready engine."""
+    nano = ROOT / "weights" / "nano"
+    from tokenizers import Tokenizer
+    from pipeline import base_fingerprint
+    from quantizer import FSQ
+    from architecture import ARCHITECTURE
+    work = Path(tempfile.mkdtemp(prefix="ocr-latent-gpu-bench-"))
+    try:
+        t = time.perf_counter()
+        model = OCRModel(cfg, encoder, decoder, SpecialTokens.from_files(nano, cfg), Tokenizer.from_file(str(nano / "tokenizer.json")))
+        save_model(model, work, dtype)
+        shutil.copy(nano / "tokenizer_config.json", work)
+        geometry = ARCHITECTURE["codes"]
+        quantizer = FSQ(decoder.cfg.hidden_size, geometry["tokens"], [geometry["levels"]] * geometry["dims"])
+        quantizer.save(work / "quantizer.safetensors", {"base_model": "random", "base_fingerprint": base_fingerprint(model)})
+        write_s = time.perf_counter() - t
+        size_gb = sum(f.stat().st_size for f in work.iterdir()) / 1e9
+        env = {**os.environ, "MODEL_DIR": str(work), "QUANTIZER": str(work / "quantizer.safetensors"),
+               "DEVICE": str(device), "DTYPE": {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "float32")}
+        t = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", READY, str(timeout_s)], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=timeout_s + 60)
+        healthy_s = time.perf_counter() - t
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    status = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {}
+    if not status.get("ready"):
+        raise RuntimeError(f"the engine did not become ready (exit {proc.returncode}): {status.get('failed')}\n{proc.stderr[-3000:]}")
+    phases = re.search(r"loaded in ([\d.]+)s, warmed up in ([\d.]+)s", proc.stderr)
+    out = {"time_to_healthy_s": healthy_s, "checkpoint_gb": size_gb, "write_checkpoint_s": write_s,
+           "load_s": float(phases[1]) if phases else None, "warmup_s": float(phases[2]) if phases else None}
+    log(f"time to healthy: {healthy_s:.1f} s (a {size_gb:.1f} GB checkpoint; load {out['load_s']} s, warm-up {out['warmup_s']} s)")
+    return out
 
 
 def main(argv=None) -> None:
@@ -150,6 +216,10 @@ def main(argv=None) -> None:
     ap.add_argument("--encode-iters", type=int, help="default 5 (--tiny: 1)")
     ap.add_argument("--budget-s", type=float, default=270.0, help="skip what would start after this many seconds")
     ap.add_argument("--threads", type=int, help="torch CPU threads")
+    ap.add_argument("--no-healthy", action="store_true", help="skip the time-to-healthy section (it writes the "
+                    "whole model to a temporary directory: 6.7 GB for DeepSeek-OCR)")
+    ap.add_argument("--profile", type=Path, help="append torch.profiler tables of a few decode steps to this file")
+    ap.add_argument("--out", type=Path, help="also write the JSON here, after every section")
     args = ap.parse_args(argv)
     tiny = args.tiny
     pick = lambda value, full, small: value if value is not None else (small if tiny else full)
@@ -178,10 +248,12 @@ def main(argv=None) -> None:
               "moe_decode": "grouped_mm" if grouped_mm_works(device, dtype) else "gathered/dense",
               "encode": {}, "decode": {"eager": {}, "cuda_graph": {} if device.type == "cuda" else None},
               "graph_tokens_equal_eager": {} if device.type == "cuda" else None, "skipped": []}
+    save = lambda: args.out.write_text(json.dumps(result) + "\n") if args.out else None
+    save()
     reset_peak(device)
     result["encode"] = bench_encode(encoder, batches, device, dtype, iters)
     result["encode_peak_gb"] = peak_gb(device)
-    del encoder
+    save()
     for c in levels:
         tokens = {}
         for mode in ("eager", "cuda_graph") if device.type == "cuda" else ("eager",):
@@ -190,17 +262,28 @@ def main(argv=None) -> None:
                 continue
             try:
                 result["decode"][mode][str(c)], tokens[mode] = bench_decode(decoder, c, prompt_len, new_tokens,
-                                                                             mode == "cuda_graph", device, seed=c)
+                                                                             mode == "cuda_graph", device, seed=c,
+                                                                             profile=args.profile)
             except Exception as e:  # noqa: BLE001 - on a first GPU, one failing mode must not hide the others
                 log(f"decode {mode} concurrency {c} failed: {type(e).__name__}: {e}")
                 result["decode"][mode][str(c)] = {"error": f"{type(e).__name__}: {e}"}
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            save()
         if len(tokens) == 2:
             result["graph_tokens_equal_eager"][str(c)] = tokens["eager"] == tokens["cuda_graph"]
+    if args.no_healthy or over():
+        result["skipped"].append("healthy")
+    else:
+        try:
+            result["healthy"] = time_to_healthy(encoder, decoder, cfg, device, dtype, timeout_s=600)
+        except Exception as e:  # noqa: BLE001
+            log(f"time to healthy failed: {type(e).__name__}: {e}")
+            result["healthy"] = {"error": f"{type(e).__name__}: {str(e)[:4000]}"}
     result["peak_gb"] = max([result["encode_peak_gb"]] + [d["peak_gb"] for m in result["decode"].values() if m
                                                          for d in m.values() if "peak_gb" in d])
     result["wall_s"] = time.perf_counter() - start
+    save()
     print(json.dumps(result))
 
 
