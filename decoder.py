@@ -73,6 +73,8 @@ class RMSNorm(nn.Module):
         self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.device.type != "cpu":  # one kernel where torch has a fused one, instead of seven (one-token steps launch hundreds)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
@@ -120,6 +122,7 @@ class KVCache:
             self.v[:, :, :, self.ready:end].zero_()
             self.ready = end
 
+    @torch.compiler.disable  # compiled, the write became a copy of the whole cache in every step
     def write(self, layer: int, rows: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
         """k, v [n,h,T,d] into slots rows[n] at positions[n,T]."""
         n, h, T, d = k.shape
@@ -176,10 +179,15 @@ _GROUPED: dict[tuple[str, torch.dtype], bool] = {}
 
 
 def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm runs on this device at this dtype: probed once per pair (CPUs and bf16
-    on recent NVIDIA GPUs have it; fp32/fp16 on a GPU, or an older torch, may not)."""
+    """Whether torch._grouped_mm runs on this device at this dtype without waiting on the host: probed once
+    per pair. CPUs have it; on CUDA only bf16 on Hopper or newer is one kernel (elsewhere torch loops over
+    the groups with their offsets copied to the host, which a CUDA graph cannot capture)."""
     key = (str(device), dtype)
     if key not in _GROUPED:
+        device = torch.device(device)
+        if device.type == "cuda" and (dtype != torch.bfloat16 or torch.cuda.get_device_capability(device) < (9, 0)):
+            _GROUPED[key] = False
+            return False
         try:
             x, w = torch.ones(16, 16, device=device, dtype=dtype), torch.ones(2, 16, 16, device=device, dtype=dtype)
             out = torch._grouped_mm(x, w.transpose(1, 2), offs=torch.tensor([8, 16], dtype=torch.int32, device=device))
@@ -236,7 +244,7 @@ class MoE(nn.Module):
             out = self._gathered(x, expert) if N * k <= E else self._dense(x, expert)
         else:  # prompts without a grouped GEMM fall back to one GEMM per expert (a host sync per layer)
             out = self._grouped(x, expert)
-        routed = out.float() * weight[..., None]
+        routed = out * weight[..., None]  # fp32 (weight is): the cast and the product in one kernel
         y = routed[:, 0]
         for j in range(1, k):
             y = y + routed[:, j]
@@ -248,10 +256,12 @@ class MoE(nn.Module):
         sorted_experts, order = expert.flatten().sort(stable=True)
         # each expert's rows end where its run in the sorted list ends (a search: no scatter, no host sync)
         experts = torch.arange(self.w_gate.shape[0], device=x.device)
-        offsets = torch.searchsorted(sorted_experts, experts, right=True).to(torch.int32)
+        offsets = torch.searchsorted(sorted_experts, experts, right=True, out_int32=True)
         xs = x[order // k]
         h = F.silu(grouped_mm(xs, self.w_gate, offsets)) * grouped_mm(xs, self.w_up, offsets)
-        return grouped_mm(h, self.w_down, offsets)[order.argsort()].view(N, k, -1)
+        out = torch.empty_like(xs)
+        out[order] = grouped_mm(h, self.w_down, offsets)  # back to (token, expert) order: a scatter, not a second sort
+        return out.view(N, k, -1)
 
     def _gathered(self, x: Tensor, expert: Tensor) -> Tensor:
         """Each row through its own k experts, their matrices gathered per row (as gpt-fast's Mixtral
@@ -323,7 +333,7 @@ class Decoder(nn.Module):
         return torch.cat([text[:1], image_embeds.to(text.dtype), text[1:]])
 
     def hidden(self, embeds: Tensor, positions: Tensor, cache=None, rows=None, mask=None) -> Tensor:
-        cos, sin = self.rope(positions)
+        cos, sin = (t.to(embeds.dtype) for t in self.rope(positions))  # once, not in every layer
         x = embeds
         for layer in self.layers:
             x = layer(x, cos, sin, cache, rows, positions, mask)
@@ -460,11 +470,11 @@ class Generator:
     longest sequence, so few shapes occur, and with `cuda_graphs` (default on CUDA) each is captured
     once and replayed. Without (the CPU's default) B and L are exact: a CPU gains nothing from fixed
     shapes and would pay for the padding. In deterministic mode (`set_deterministic`) every step is
-    (all slots, slot_tokens)."""
+    (all slots, slot_tokens). `compile`: decode steps through torch.compile (each new shape compiles first)."""
 
     def __init__(self, decoder: Decoder, slots: int, eos_id: int, rule: RepetitionRule | None,
                  prefill: Decoder | None = None, kv_tokens: int | None = None, buckets: bool | None = None,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, compile: bool = False):
         self.decoder, self.eos_id, self.rule = decoder, eos_id, rule
         self.prefill_decoder = prefill or decoder
         self.slots, self.max_positions = slots, decoder.cfg.max_position_embeddings
@@ -483,6 +493,9 @@ class Generator:
         if self.cuda_graphs and not cuda:
             raise ValueError("CUDA graphs need the decoder on a CUDA device")
         self._graphs: dict[tuple[int, int], tuple] = {}  # (B, L) -> (graph, logits, best)
+        # torch.compile fuses a step's elementwise chains (norms, RoPE, routing, the combine) into a few
+        # kernels; compiled on a shape's first step (outside any capture), the graph captures the result
+        self._decode_step = torch.compile(decoder.decode_step) if compile else decoder.decode_step
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.free = list(range(slots))
         self.active: dict[int, Sequence] = {}  # slot -> sequence
@@ -581,7 +594,7 @@ class Generator:
         return logits, best
 
     def _compute(self, B: int, L: int) -> tuple[Tensor, Tensor]:
-        logits = self.decoder.decode_step(self.cache, self.tokens[:B], self.pos[:B], L)
+        logits = self._decode_step(self.cache, self.tokens[:B], self.pos[:B], L)
         return logits, logits.argmax(-1)
 
     def _advance(self, B: int, L: int) -> tuple[Tensor, Tensor]:

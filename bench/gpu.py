@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from checkpoint import OCRModel, SpecialTokens, build_modules, save_model  # noqa: E402
-from decoder import Generator, RMSNorm, grouped_mm_works  # noqa: E402
+from decoder import Generator, RMSNorm, grouped_mm_works, set_deterministic  # noqa: E402
 from encoder import LayerNorm2d  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "float32": torch.float32}
@@ -114,18 +114,19 @@ def percentile(xs: list[float], q: float) -> float:
 
 @torch.inference_mode()
 def bench_decode(decoder, c: int, prompt_len: int, new_tokens: int, graphs: bool, device, seed: int,
-                 profile: Path | None = None) -> tuple[dict, list]:
-    """c sequences of prompt_len random embeddings, prefilled together, then new_tokens each. With
-    `profile`, the last few steps run under torch.profiler (untimed) and its table is appended there."""
+                 profile: Path | None = None, compile: bool = False, label: str = "", alone: bool = False) -> tuple[dict, list]:
+    """c sequences of prompt_len random embeddings, prefilled together, then new_tokens each (`alone`: only
+    the first of them, in the same c slots). With `profile`, the last few steps run under torch.profiler
+    (untimed) and its table is appended there."""
     slot = 1 << (prompt_len + new_tokens - 1).bit_length()  # a power of two: the steps' length bucket fits
-    gen = Generator(decoder, c, eos_id=-1, rule=None, kv_tokens=c * slot, buckets=True, cuda_graphs=graphs)
+    gen = Generator(decoder, c, eos_id=-1, rule=None, kv_tokens=c * slot, buckets=True, cuda_graphs=graphs, compile=compile)
     g = torch.Generator(device).manual_seed(seed)
     prompts = [torch.randn(prompt_len, decoder.cfg.hidden_size, generator=g, device=device,
                            dtype=decoder.embed_tokens.weight.dtype) for _ in range(c)]
     reset_peak(device)
     sync(device)
     t = time.perf_counter()
-    seqs = gen.add(prompts, [new_tokens] * c)
+    seqs = gen.add(prompts[:1] if alone else prompts, [new_tokens] * (1 if alone else c))
     sync(device)
     prefill_s = time.perf_counter() - t
     warm, times, profiled = 2, [], 4 if profile else 0  # the first steps capture the graph of this shape (or warm the eager kernels)
@@ -144,14 +145,14 @@ def bench_decode(decoder, c: int, prompt_len: int, new_tokens: int, graphs: bool
                 gen.step()
         sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
         with profile.open("a") as f:
-            f.write(f"\n## decode {'graph' if graphs else 'eager'} concurrency {c}: {profiled} steps\n")
+            f.write(f"\n## decode {label} concurrency {c}: {profiled} steps\n")
             f.write(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70) + "\n")
     total = sum(times)
-    out = {"prefill_s": prefill_s, "tokens_per_s": c * len(times) / total, "steps_timed": len(times),
+    out = {"prefill_s": prefill_s, "tokens_per_s": len(seqs) * len(times) / total, "steps_timed": len(times),
            "tpot_ms_p50": 1e3 * statistics.median(times), "tpot_ms_p99": 1e3 * percentile(times, 99),
            "first_steps_s": first_s, "peak_gb": peak_gb(device), "kv_gb": 2 * gen.cache.k.nbytes / 2**30,
            "shapes": sorted(gen._graphs) if graphs else None}
-    log(f"decode {'graph' if graphs else 'eager'} concurrency {c:3d}: {out['tokens_per_s']:9.1f} tokens/s, "
+    log(f"decode {label} concurrency {c:3d}: {out['tokens_per_s']:9.1f} tokens/s, "
         f"per token p50 {out['tpot_ms_p50']:.2f} ms p99 {out['tpot_ms_p99']:.2f} ms, prefill {prefill_s:.3f} s, "
         f"peak {out['peak_gb']:.1f} GB")
     return out, [s.tokens for s in seqs]
@@ -203,6 +204,13 @@ def time_to_healthy(encoder, decoder, cfg: dict, device, dtype, timeout_s: float
     return out
 
 
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """How far two runs' tokens agree: sequences equal throughout, and the mean length of the common prefix."""
+    prefix = lambda x, y: next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+    return {"sequences_equal": sum(x == y for x, y in zip(a, b)) / len(a),
+            "mean_common_prefix": statistics.mean(prefix(x, y) for x, y in zip(a, b))}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="CPU, the nano config, small sizes: a check that the script runs")
@@ -211,6 +219,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16 (--tiny: float32)")
     ap.add_argument("--encode-batches", help="default 1,8,32 (--tiny: 1,2)")
     ap.add_argument("--concurrency", help="default 1,16,64,128 (--tiny: 1,4)")
+    ap.add_argument("--compile-levels", help="levels also run with torch.compile'd, graph-captured steps (default 1,128 "
+                    "on CUDA; none on the CPU)")
     ap.add_argument("--prompt-len", type=int, help="default 280 (--tiny: 64)")
     ap.add_argument("--new-tokens", type=int, help="default 128 (--tiny: 16)")
     ap.add_argument("--encode-iters", type=int, help="default 5 (--tiny: 1)")
@@ -220,7 +230,11 @@ def main(argv=None) -> None:
                     "whole model to a temporary directory: 6.7 GB for DeepSeek-OCR)")
     ap.add_argument("--profile", type=Path, help="append torch.profiler tables of a few decode steps to this file")
     ap.add_argument("--out", type=Path, help="also write the JSON here, after every section")
+    ap.add_argument("--deterministic", action="store_true", help="decoder.set_deterministic(True): every run must "
+                    "give the same tokens, and the first sequence the same alone as among the others (same slots)")
     args = ap.parse_args(argv)
+    if args.deterministic:
+        set_deterministic(True)  # before the first GEMM: cuBLAS reads its workspace setting when its handle is made
     tiny = args.tiny
     pick = lambda value, full, small: value if value is not None else (small if tiny else full)
     config = Path(pick(args.config, ROOT / "bench" / "deepseek-ocr-config.json", ROOT / "weights" / "nano" / "config.json"))
@@ -228,6 +242,8 @@ def main(argv=None) -> None:
     dtype = DTYPES[pick(args.dtype, "bf16", "float32")]
     batches = [int(x) for x in pick(args.encode_batches, "1,8,32", "1,2").split(",")]
     levels = [int(x) for x in pick(args.concurrency, "1,16,64,128", "1,4").split(",")]
+    default_compiled = "1,128" if device.type == "cuda" else ""
+    compiled = {int(x) for x in (args.compile_levels if args.compile_levels is not None else default_compiled).split(",") if x}
     prompt_len, new_tokens = pick(args.prompt_len, 280, 64), pick(args.new_tokens, 128, 16)
     iters = pick(args.encode_iters, 5, 1)
     if args.threads:
@@ -246,8 +262,9 @@ def main(argv=None) -> None:
               "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."), "config": str(config.relative_to(ROOT) if config.is_relative_to(ROOT) else config),
               "params": params, "build_s": build_s, "prompt_len": prompt_len, "new_tokens": new_tokens,
               "moe_decode": "grouped_mm" if grouped_mm_works(device, dtype) else "gathered/dense",
-              "encode": {}, "decode": {"eager": {}, "cuda_graph": {} if device.type == "cuda" else None},
-              "graph_tokens_equal_eager": {} if device.type == "cuda" else None, "skipped": []}
+              "encode": {}, "decode": {"eager": {}, "eager_again": {}, "cuda_graph": {} if device.type == "cuda" else None,
+                                       "cuda_graph_compiled": {} if compiled else None},
+              "tokens_vs_eager": {}, "skipped": []}
     save = lambda: args.out.write_text(json.dumps(result) + "\n") if args.out else None
     save()
     reset_peak(device)
@@ -256,22 +273,35 @@ def main(argv=None) -> None:
     save()
     for c in levels:
         tokens = {}
-        for mode in ("eager", "cuda_graph") if device.type == "cuda" else ("eager",):
+        # eager twice: how far two runs of the same kernels agree (the baseline for the other modes)
+        modes = ["eager", "eager_again"] + (["cuda_graph"] if device.type == "cuda" else []) + (["cuda_graph_compiled"] if c in compiled else [])
+        if args.deterministic and c > 1:
+            modes += [m + "_alone" for m in modes if m in ("eager", "cuda_graph")]
+        for mode in modes:
             if over():
                 result["skipped"].append(f"decode {mode} {c}")
                 continue
             try:
-                result["decode"][mode][str(c)], tokens[mode] = bench_decode(decoder, c, prompt_len, new_tokens,
-                                                                             mode == "cuda_graph", device, seed=c,
-                                                                             profile=args.profile)
+                result["decode"].setdefault(mode, {})[str(c)], tokens[mode] = bench_decode(decoder, c, prompt_len, new_tokens,
+                                                                             mode.startswith("cuda_graph"),
+                                                                             device, seed=0 if args.deterministic else c, profile=args.profile,
+                                                                             compile=mode == "cuda_graph_compiled", label=mode,
+                                                                             alone=mode.endswith("_alone"))
             except Exception as e:  # noqa: BLE001 - on a first GPU, one failing mode must not hide the others
                 log(f"decode {mode} concurrency {c} failed: {type(e).__name__}: {e}")
-                result["decode"][mode][str(c)] = {"error": f"{type(e).__name__}: {e}"}
+                result["decode"].setdefault(mode, {})[str(c)] = {"error": f"{type(e).__name__}: {e}"}
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             save()
-        if len(tokens) == 2:
-            result["graph_tokens_equal_eager"][str(c)] = tokens["eager"] == tokens["cuda_graph"]
+        for mode in sorted(tokens.keys() - {"eager"}):
+            if mode.endswith("_alone"):  # batch invariance: the first sequence alone against it among c - 1 others
+                if mode.removesuffix("_alone") in tokens:
+                    result.setdefault("alone_equals_in_batch", {})[f"{mode.removesuffix('_alone')} {c}"] = \
+                        tokens[mode][0] == tokens[mode.removesuffix("_alone")][0]
+                continue
+            if "eager" in tokens:
+                result["tokens_vs_eager"][f"{mode} {c}"] = agreement(tokens["eager"], tokens[mode])
+    result["deterministic"] = args.deterministic
     if args.no_healthy or over():
         result["skipped"].append("healthy")
     else:
