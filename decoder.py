@@ -13,6 +13,7 @@ captured once as a CUDA graph and replayed.
 """
 from __future__ import annotations
 
+import logging
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+log = logging.getLogger("ocr_latent.decoder")
 _DETERMINISTIC = False
 
 
@@ -588,7 +590,14 @@ class Generator:
         if not self.cuda_graphs:
             return self._advance(B, L)
         if (B, L) not in self._graphs:
-            self._capture(B, L)
+            try:
+                self._capture(B, L)
+            except RuntimeError as e:
+                # a step that a graph cannot hold (an op that waits on the host, say) still runs: eagerly,
+                # from now on (nothing ran in the failed capture; its warm-up rewrote what the step writes)
+                log.warning("CUDA graph capture of a (%d, %d) step failed, decoding without graphs: %s", B, L, e)
+                self.cuda_graphs = False
+                return self._advance(B, L)
         graph, logits, best = self._graphs[B, L]
         graph.replay()
         return logits, best

@@ -184,3 +184,33 @@ def test_gpu_bench_tiny_runs_and_prints_its_json():
     for d in r["decode"]["eager"].values():
         assert d["steps_timed"] == r["new_tokens"] - 3 and d["tokens_per_s"] > 0  # 1 from prefill, 2 warm-up
         assert 0 < d["tpot_ms_p50"] <= d["tpot_ms_p99"] and d["prefill_s"] > 0 and d["kv_gb"] > 0
+
+
+def test_the_grouped_gemm_is_trusted_on_cuda_only_where_it_is_one_kernel(monkeypatch):
+    """Elsewhere torch loops over the groups with their offsets on the host, which a graph cannot capture
+    (fp32 on an H200 failed so, before this check)."""
+    from decoder import grouped_mm_works
+    monkeypatch.setattr(decoder_module, "_GROUPED", {})
+    assert grouped_mm_works(torch.device("cpu"), torch.float32)
+
+    def probe(*a, **k):  # the fallback runs, so a probe would pass: these must be refused before probing
+        raise AssertionError("probed")
+    monkeypatch.setattr(torch, "_grouped_mm", probe)
+    assert not grouped_mm_works(torch.device("cuda"), torch.float32)
+    assert not grouped_mm_works(torch.device("cuda"), torch.float16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert not grouped_mm_works(torch.device("cuda"), torch.bfloat16)  # an A100: no grouped kernel
+
+
+def test_a_step_whose_capture_fails_runs_eagerly_with_the_same_tokens(small_modules, caplog):
+    _, decoder = small_modules
+    prompts = _prompts(decoder, [9, 14])
+    expected = [s.tokens for s in Generator(decoder, 2, eos_id=-1, rule=None, kv_tokens=128).generate(prompts, [12, 12])]
+    gen = Generator(decoder, 2, eos_id=-1, rule=None, kv_tokens=128)
+    gen.cuda_graphs = True  # as on CUDA, where the capture below is refused
+
+    def refuse(B, L):
+        raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+    gen._capture = refuse
+    assert [s.tokens for s in gen.generate(prompts, [12, 12])] == expected
+    assert not gen.cuda_graphs and "capture of a (2, " in caplog.text
