@@ -1,6 +1,7 @@
 """Decoding shaped for accelerators, checked on the CPU: a KV cache fixed at construction, admission by
 tokens, batch invariance in deterministic mode, decode steps that never read back to the host, the MoE
-paths agreeing, the repetition ban steering the device's next input, and bench/gpu.py --tiny."""
+paths agreeing, the repetition ban steering the device's next input, a failed graph capture falling back,
+held-out pages read token for token as recorded, and bench/gpu.py --tiny."""
 import json
 import subprocess
 import sys
@@ -214,3 +215,30 @@ def test_a_step_whose_capture_fails_runs_eagerly_with_the_same_tokens(small_modu
     gen._capture = refuse
     assert [s.tokens for s in gen.generate(prompts, [12, 12])] == expected
     assert not gen.cuda_graphs and "capture of a (2, " in caplog.text
+
+
+REFERENCE = ROOT / "tests" / "data" / "reading-reference.json"
+
+
+def read_reference_pages(pages: int = 32) -> list[list[int]]:
+    """The tokens the embedded model reads from held-out pages through their codes, as the service does:
+    two waves of 16 in one generator, fp32 prompts (bf16 ones would depend on this CPU's instructions)."""
+    from pages import PageSpec, PageStream, load_corpus, split_documents
+    from pipeline import load_pipeline
+    pipe = load_pipeline(prefill_dtype="float32")
+    stream = PageStream(split_documents(load_corpus())["test"], PageSpec(augment=False), seed=2)
+    codes = pipe.encode([stream[i].image for i in range(pages)])
+    gen, out = pipe.new_generator(16), []
+    for i in range(0, pages, 16):
+        out += [s.tokens for s in gen.generate([pipe.decode_inputs(c, "free") for c in codes[i:i + 16]], [512] * 16)]
+    return out
+
+
+def test_pages_read_token_for_token_as_the_reference():
+    """A change to the decode path must not change what is read: the reference was recorded when the decoder
+    was checked token for token against its previous versions (256 pages). A CPU with other vector
+    instructions may round a near-tie differently, so two of 32 pages may differ; this box gives all 32."""
+    expected = json.loads(REFERENCE.read_text())["tokens"]
+    got = read_reference_pages(len(expected))
+    differ = [i for i, (a, b) in enumerate(zip(got, expected)) if a != b]
+    assert len(differ) <= 2, f"pages {differ} read differently from tests/data/reading-reference.json"
