@@ -124,13 +124,18 @@ class KVCache:
             self.v[:, :, :, self.ready:end].zero_()
             self.ready = end
 
-    @torch.compiler.disable  # compiled, the write became a copy of the whole cache in every step
     def write(self, layer: int, rows: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
         """k, v [n,h,T,d] into slots rows[n] at positions[n,T]."""
         n, h, T, d = k.shape
         rows = rows[:, None].expand(n, T)
-        self.k[layer][rows, :, positions] = k.transpose(1, 2).to(self.k.dtype)  # a bf16 prefill into an fp32 cache
-        self.v[layer][rows, :, positions] = v.transpose(1, 2).to(self.v.dtype)
+        k, v = k.transpose(1, 2).to(self.k.dtype), v.transpose(1, 2).to(self.v.dtype)  # a bf16 prefill into an fp32 cache
+        if torch.compiler.is_compiling():
+            # indexed on the whole tensor: compiled, a write into a layer's view of it became a copy of the
+            # whole cache in every step (eager, that index is the slower one)
+            index = (torch.full_like(rows, layer), rows, slice(None), positions)
+            self.k[index], self.v[index] = k, v
+        else:
+            self.k[layer][rows, :, positions], self.v[layer][rows, :, positions] = k, v
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot src's first `length` entries (all layers) into slot dst."""
@@ -206,6 +211,11 @@ def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     return per_group_mm(x, w, offsets)
 
 
+def grouped_mm_traceable(dtype: torch.dtype) -> bool:
+    """torch.compile traces _grouped_mm through a shape check that accepts bf16 only (a CPU runs fp32)."""
+    return dtype == torch.bfloat16
+
+
 def per_group_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     """The same as grouped_mm, one GEMM per non-empty group (one host sync per call)."""
     ends = offsets.tolist()
@@ -242,7 +252,8 @@ class MoE(nn.Module):
         expert, perm = expert.sort(dim=-1)
         weight = weight.gather(-1, perm)
         N, k, E = *expert.shape, self.w_gate.shape[0]
-        if step and (deterministic() or not grouped_mm_works(x.device, x.dtype)):
+        if step and (deterministic() or not grouped_mm_works(x.device, x.dtype)
+                     or torch.compiler.is_compiling() and not grouped_mm_traceable(x.dtype)):
             out = self._gathered(x, expert) if N * k <= E else self._dense(x, expert)
         else:  # prompts without a grouped GEMM fall back to one GEMM per expert (a host sync per layer)
             out = self._grouped(x, expert)
@@ -489,6 +500,8 @@ class Generator:
         # the step's inputs live on the device: each slot's last token and the position it goes to
         self.tokens = torch.zeros(slots, dtype=torch.long, device=dev)
         self.pos = torch.zeros(slots, dtype=torch.long, device=dev)
+        for d in {decoder, self.prefill_decoder}:  # probed now: not inside a capture or a compiled trace
+            grouped_mm_works(dev, d.embed_tokens.weight.dtype)
         cuda = dev.type == "cuda"
         self.buckets = cuda if buckets is None else buckets
         self.cuda_graphs = cuda if cuda_graphs is None else cuda_graphs
@@ -498,6 +511,11 @@ class Generator:
         # torch.compile fuses a step's elementwise chains (norms, RoPE, routing, the combine) into a few
         # kernels; compiled on a shape's first step (outside any capture), the graph captures the result
         self._decode_step = torch.compile(decoder.decode_step) if compile else decoder.decode_step
+        # Without a traceable grouped GEMM a compiled step gathers each row's experts, which pays for few
+        # rows only (every expert for every row, beyond them, is slower than the eager grouped GEMM)
+        c = decoder.cfg
+        dtype = decoder.embed_tokens.weight.dtype
+        self.compiled_rows = self.slots if grouped_mm_traceable(dtype) else c.n_routed_experts // c.num_experts_per_tok
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.free = list(range(slots))
         self.active: dict[int, Sequence] = {}  # slot -> sequence
@@ -603,8 +621,30 @@ class Generator:
         return logits, best
 
     def _compute(self, B: int, L: int) -> tuple[Tensor, Tensor]:
-        logits = self._decode_step(self.cache, self.tokens[:B], self.pos[:B], L)
+        try:
+            step = self._decode_step if B <= self.compiled_rows else self.decoder.decode_step
+            logits = step(self.cache, self.tokens[:B], self.pos[:B], L)
+        except Exception as e:  # noqa: BLE001 - compiling failed (no C++ compiler, say): decode without
+            if self._decode_step == self.decoder.decode_step:
+                raise
+            log.warning("torch.compile of the decode step failed, decoding without it: %s: %s", type(e).__name__, e)
+            self._decode_step = self.decoder.decode_step
+            logits = self._decode_step(self.cache, self.tokens[:B], self.pos[:B], L)
         return logits, logits.argmax(-1)
+
+    @torch.inference_mode()
+    def prepare(self, shapes: list[tuple[int, int]]) -> None:
+        """Run one step of each (rows, length) shape before any sequence is added, so that compiling and
+        capturing happen now rather than in a request (a compiled step generalises to the other shapes
+        once it has met two of each dimension). Writes only into free slots, which prefill overwrites."""
+        if self.active:
+            raise ValueError("prepare() runs before any sequence is added")
+        for B, L in shapes:
+            B, L = self.shape(min(B, self.slots), min(L, self.slot_tokens))
+            self.cache.ensure(L)
+            self._run(B, L)
+        self.tokens.zero_()
+        self.pos.zero_()
 
     def _advance(self, B: int, L: int) -> tuple[Tensor, Tensor]:
         """A step of rows 0..B-1, and their next inputs set on the device: the best tokens (the host

@@ -81,6 +81,13 @@ def env_text(name: str, default: str | None = None) -> str | None:
     return default if value is None or value.strip() == "" else value.strip()
 
 
+def env_flag(name: str) -> bool:
+    value = (env_text(name, "0") or "0").lower()
+    if value not in ("0", "1", "false", "true", "no", "yes"):
+        raise SystemExit(f"{name}={value!r}: use 1 or 0")
+    return value in ("1", "true", "yes")
+
+
 def env_number(name: str, default, kind=int, minimum=None):
     raw = env_text(name)
     if raw is None:
@@ -107,6 +114,7 @@ class EngineConfig:
     encode_max_batch: int = 8  # ENCODE_MAX_BATCH
     decode_slots: int = 16  # DECODE_SLOTS
     kv_cache_tokens: int | None = None  # KV_CACHE_TOKENS: key/value positions allocated at startup for all slots
+    compile: bool = False  # COMPILE=1: decode steps through torch.compile, compiled during warm-up
     max_queue: int = 64  # MAX_QUEUE: jobs waiting for the worker (not yet batched)
     request_timeout_s: float = 120.0  # REQUEST_TIMEOUT_S: per-job deadline
     retry_after_s: int = 1  # RETRY_AFTER_S: advice to a caller refused by a full queue
@@ -132,6 +140,7 @@ class EngineConfig:
             encode_max_batch=env_number("ENCODE_MAX_BATCH", 8, int, 1),
             decode_slots=env_number("DECODE_SLOTS", 16, int, 1),
             kv_cache_tokens=env_number("KV_CACHE_TOKENS", None, int, 2),
+            compile=env_flag("COMPILE"),
             max_queue=env_number("MAX_QUEUE", 64, int, 1),
             request_timeout_s=env_number("REQUEST_TIMEOUT_S", 120.0, float, 0.001),
             retry_after_s=env_number("RETRY_AFTER_S", 1, int, 0),
@@ -358,7 +367,7 @@ class Engine:
         self.pipeline = load_pipeline(self.s.model_dir, self.s.quantizer, self.s.device, self.s.dtype, self.s.prefill_dtype)
         if "free" not in self.pipeline.prompts:
             raise StartupError("the model's tokenizer cannot spell the 'free' prompt")
-        self.gen = self.pipeline.new_generator(self.s.decode_slots, self.s.kv_cache_tokens)
+        self.gen = self.pipeline.new_generator(self.s.decode_slots, self.s.kv_cache_tokens, self.s.compile)
         if any(self.max_new_tokens(p) < 1 for p in self.pipeline.prompts):
             raise StartupError(f"KV_CACHE_TOKENS={self.s.kv_cache_tokens} leaves {self.gen.slot_tokens} positions per "
                                f"sequence ({self.s.decode_slots} DECODE_SLOTS), less than a page's prompt "
@@ -370,6 +379,8 @@ class Engine:
             raise StartupError(f"warm-up encode gave codes of shape {codes.shape} (max {int(codes.max())}); this "
                                f"service needs {NUM_CODES} codes in 0..{MAX_LEVEL}: check the model's view mode "
                                "and QUANTIZER")
+        if self.s.compile:  # a static step for one row, then one general in rows and length: no compiling in requests
+            self.gen.prepare([(1, 256), (1, 257), (2, 257)])
         seq = self.gen.add([self.pipeline.decode_inputs(codes[0], "free")], [self.s.warmup_tokens])[0]
         while seq.finish_reason is None:
             self.gen.step()
@@ -550,7 +561,7 @@ class Engine:
             self._resolve(j, error=err)
         self.running = []
         self.m.active.set(0)
-        self.gen = self.pipeline.new_generator(self.s.decode_slots, self.s.kv_cache_tokens)
+        self.gen = self.pipeline.new_generator(self.s.decode_slots, self.s.kv_cache_tokens, self.s.compile)
 
     def _fail_everything(self, err: EngineError) -> None:
         with self.cv:

@@ -242,3 +242,15 @@ def test_pages_read_token_for_token_as_the_reference():
     got = read_reference_pages(len(expected))
     differ = [i for i, (a, b) in enumerate(zip(got, expected)) if a != b]
     assert len(differ) <= 2, f"pages {differ} read differently from tests/data/reading-reference.json"
+
+
+def test_prepare_runs_step_shapes_before_any_sequence_and_changes_no_tokens(small_modules):
+    _, decoder = small_modules
+    prompts = _prompts(decoder, [9, 14, 20])
+    expected = [s.tokens for s in Generator(decoder, 4, eos_id=-1, rule=None, kv_tokens=256).generate(prompts, [12] * 3)]
+    gen = Generator(decoder, 4, eos_id=-1, rule=None, kv_tokens=256)
+    gen.prepare([(1, 30), (4, 60)])  # writes into free slots, which prefill overwrites
+    assert [s.tokens for s in gen.generate(prompts, [12] * 3)] == expected
+    gen.add(prompts[:1], [5])
+    with pytest.raises(ValueError, match="before any sequence"):
+        gen.prepare([(1, 30)])

@@ -111,3 +111,21 @@ def test_the_kv_cache_is_sized_once_and_requests_that_cannot_fit_are_refused(pag
             (k, v, shape)
     finally:
         engine.stop()
+
+
+def test_compiled_decode_steps_read_what_eager_ones_read(pages):
+    """COMPILE=1: the steps go through torch.compile (compiled during warm-up, so no request waits for it)
+    and the pages read exactly as without it."""
+    texts = {}
+    for compile in (False, True):
+        engine = Engine(EngineConfig(torch_threads=1, decode_slots=4, compile=compile)).start()
+        try:
+            engine.wait_ready(300)
+            if compile:  # compiled for real, not fallen back to eager (a missing C++ compiler, say)
+                assert engine.gen._decode_step != engine.gen.decoder.decode_step
+            codes = [engine.encode(p.image).future.result(60) for p in pages]
+            jobs = [engine.decode(c, "free", 256) for c in codes]
+            texts[compile] = [j.future.result(120).text for j in jobs]
+        finally:
+            engine.stop()
+    assert texts[True] == texts[False]
