@@ -187,7 +187,7 @@ def time_to_healthy(encoder, decoder, cfg: dict, device, dtype, timeout_s: float
         write_s = time.perf_counter() - t
         size_gb = sum(f.stat().st_size for f in work.iterdir()) / 1e9
         env = {**os.environ, "MODEL_DIR": str(work), "QUANTIZER": str(work / "quantizer.safetensors"),
-               "DEVICE": str(device), "DTYPE": {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "float32")}
+               "DEVICE": str(device), "DTYPE": str(dtype).removeprefix("torch.")}  # a name DTYPE accepts
         t = time.perf_counter()
         proc = subprocess.run([sys.executable, "-c", READY, str(timeout_s)], cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=timeout_s + 60)

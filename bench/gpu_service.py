@@ -28,6 +28,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
+from codesfile import unpack  # noqa: E402
 from metrics import cer  # noqa: E402
 from throughput import start_server, stop_server  # noqa: E402
 
@@ -86,7 +87,6 @@ def check(args) -> None:
     pngs, truth = load_pages(args.dir)
     ref = json.loads((args.dir / "reference.json").read_text())
     mean_cer = lambda texts: float(np.mean([cer(h, t) for h, t in zip(texts, truth)]))
-    unpack = lambda b64: np.unpackbits(np.frombuffer(base64.b64decode(b64), np.uint8)).reshape(-1, 4)
     result = {"pages": len(pngs), "cpu_cer": ref["cer"], "cpu_startup_s": ref["startup_s"], "dtypes": {}}
     for dtype in args.dtypes.split(","):
         env = {"DEVICE": args.device, "DTYPE": dtype, "DECODE_SLOTS": "16"}
@@ -104,7 +104,8 @@ def check(args) -> None:
             continue
         finally:
             stop_server(proc)
-        same_codes = np.mean([(unpack(a) == unpack(b)).all(1).mean() for a, b in zip(own16["codes"], ref["codes"])])
+        codes = lambda b64: unpack(base64.b64decode(b64))
+        same_codes = np.mean([(codes(a) == codes(b)).mean() for a, b in zip(own16["codes"], ref["codes"])])
         result["dtypes"][dtype] = d = {
             "startup_s": startup_s, "codes_equal_cpu": float(same_codes),
             "tokens_per_s_c1": own1["tokens_per_s"], "tokens_per_s_c16": own16["tokens_per_s"],
