@@ -252,7 +252,9 @@ class MoE(nn.Module):
         expert, perm = expert.sort(dim=-1)
         weight = weight.gather(-1, perm)
         N, k, E = *expert.shape, self.w_gate.shape[0]
-        if step and (deterministic() or not grouped_mm_works(x.device, x.dtype)
+        if step and N * k <= E and torch.compiler.is_compiling() and self.reads_experts_in_place(x.device):
+            out = self._gathered_in_place(x, expert)
+        elif step and (deterministic() or not grouped_mm_works(x.device, x.dtype)
                      or torch.compiler.is_compiling() and not grouped_mm_traceable(x.dtype)):
             out = self._gathered(x, expert) if N * k <= E else self._dense(x, expert)
         else:  # prompts without a grouped GEMM fall back to one GEMM per expert (a host sync per layer)
@@ -282,6 +284,27 @@ class MoE(nn.Module):
         wg, wu, wd = self.w_gate[expert], self.w_up[expert], self.w_down[expert]  # [N,k,I,H], [N,k,H,I]
         h = F.silu(torch.einsum("nd,nkid->nki", x, wg)) * torch.einsum("nd,nkid->nki", x, wu)
         return torch.einsum("nki,nkdi->nkd", h, wd)
+
+    def _gathered_in_place(self, x: Tensor, expert: Tensor) -> Tensor:
+        """`_gathered` written as reductions, for a compiled step: the compiler turns each row's expert index
+        into the loads of one fused reduction per projection, which reads the k experts where they lie (no
+        copy of their matrices, no sort, no grouping), and the silu product into its epilogue. Accumulates
+        in fp32; the silu product is rounded to the weights' dtype, as a GEMM's output would be. Eagerly it
+        would materialise [N, k, I, H] products: only under torch.compile."""
+        xf = x.float()[:, None, None, :]
+        gate = (self.w_gate[expert].float() * xf).sum(-1)
+        up = (self.w_up[expert].float() * xf).sum(-1)
+        h = (F.silu(gate) * up).to(x.dtype).float()  # [N, k, I]
+        return (self.w_down[expert].float() * h[:, :, None, :]).sum(-1).to(x.dtype)
+
+    # Whether a compiled step of few rows reads its experts in place (`_gathered_in_place`) rather than
+    # through `_gathered`/`_grouped`: None picks by device (CUDA, where it replaces the grouped GEMMs'
+    # sort, grouping and mostly-empty groups with two fused kernels; a CPU's compiled step measured no
+    # faster with it); True/False force it (bench/gpu.py measures both).
+    in_place: bool | None = None
+
+    def reads_experts_in_place(self, device: torch.device) -> bool:
+        return device.type == "cuda" if self.in_place is None else self.in_place
 
     def _dense(self, x: Tensor, expert: Tensor) -> Tensor:
         """Every row through every expert, then each row's k picked: no host sync, no row sees another;

@@ -11,7 +11,8 @@ parameters) with random weights made on the device (nothing is downloaded), then
     image's, then 128 tokens; no EOS, no repetition rule): the batched prefill's seconds, tokens/s,
     time per output token p50/p99 (one step gives every sequence one token), peak memory; eager and
     with every step shape captured as a CUDA graph, in the same run, and whether both gave the same
-    tokens;
+    tokens; at --compile-levels also compiled and captured, and where few rows run (rows x top-k <=
+    experts) twice: the experts read in place by fused reductions (the default) and by grouped GEMMs;
   * time to healthy: the random model written as an original-layout checkpoint (safetensors, config.json,
     the nano tokenizer's files) with a quantizer made for it, then a fresh process timed from its start
     until its engine is ready (weights read and moved to the device, one warm-up encode and decode);
@@ -42,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from checkpoint import OCRModel, SpecialTokens, build_modules, save_model  # noqa: E402
-from decoder import Generator, RMSNorm, grouped_mm_works, set_deterministic  # noqa: E402
+from decoder import Generator, MoE, RMSNorm, grouped_mm_works, set_deterministic  # noqa: E402
 from encoder import LayerNorm2d  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "float32": torch.float32}
@@ -114,10 +115,21 @@ def percentile(xs: list[float], q: float) -> float:
 
 @torch.inference_mode()
 def bench_decode(decoder, c: int, prompt_len: int, new_tokens: int, graphs: bool, device, seed: int,
-                 profile: Path | None = None, compile: bool = False, label: str = "", alone: bool = False) -> tuple[dict, list]:
+                 profile: Path | None = None, compile: bool = False, label: str = "", alone: bool = False,
+                 in_place: bool | None = None) -> tuple[dict, list]:
     """c sequences of prompt_len random embeddings, prefilled together, then new_tokens each (`alone`: only
     the first of them, in the same c slots). With `profile`, the last few steps run under torch.profiler
-    (untimed) and its table is appended there."""
+    (untimed) and its table is appended there. `in_place`: MoE.in_place for this run (compiled steps)."""
+    if compile:
+        torch._dynamo.reset()  # each compiled run compiles afresh: no variant inherits another's graphs or recompile count
+    MoE.in_place = in_place
+    try:
+        return _bench_decode(decoder, c, prompt_len, new_tokens, graphs, device, seed, profile, compile, label, alone)
+    finally:
+        MoE.in_place = None
+
+
+def _bench_decode(decoder, c, prompt_len, new_tokens, graphs, device, seed, profile, compile, label, alone):
     slot = 1 << (prompt_len + new_tokens - 1).bit_length()  # a power of two: the steps' length bucket fits
     gen = Generator(decoder, c, eos_id=-1, rule=None, kv_tokens=c * slot, buckets=True, cuda_graphs=graphs, compile=compile)
     g = torch.Generator(device).manual_seed(seed)
@@ -254,6 +266,7 @@ def main(argv=None) -> None:
     over = lambda: time.perf_counter() - start > args.budget_s
     cfg = json.loads(config.read_text())
     encoder, decoder = random_model(cfg, device, dtype)
+    experts = decoder.cfg.n_routed_experts, decoder.cfg.num_experts_per_tok
     sync(device)
     build_s = time.perf_counter() - start
     params = sum(p.numel() for m in (encoder, decoder) for p in m.parameters())
@@ -263,7 +276,8 @@ def main(argv=None) -> None:
               "params": params, "build_s": build_s, "prompt_len": prompt_len, "new_tokens": new_tokens,
               "moe_decode": "grouped_mm" if grouped_mm_works(device, dtype) else "gathered/dense",
               "encode": {}, "decode": {"eager": {}, "eager_again": {}, "cuda_graph": {} if device.type == "cuda" else None,
-                                       "cuda_graph_compiled": {} if compiled else None},
+                                       "cuda_graph_compiled": {} if compiled else None,
+                                       "cuda_graph_compiled_grouped": {} if any(c * experts[1] <= experts[0] for c in compiled) else None},
               "tokens_vs_eager": {}, "skipped": []}
     save = lambda: args.out.write_text(json.dumps(result) + "\n") if args.out else None
     save()
@@ -275,6 +289,9 @@ def main(argv=None) -> None:
         tokens = {}
         # eager twice: how far two runs of the same kernels agree (the baseline for the other modes)
         modes = ["eager", "eager_again"] + (["cuda_graph"] if device.type == "cuda" else []) + (["cuda_graph_compiled"] if c in compiled else [])
+        if c in compiled and c * experts[1] <= experts[0]:
+            # few rows: compiled steps read each row's experts in place; the same with the grouped GEMMs instead
+            modes.append("cuda_graph_compiled_grouped")
         if args.deterministic and c > 1:
             modes += [m + "_alone" for m in modes if m in ("eager", "cuda_graph")]
         for mode in modes:
@@ -285,8 +302,9 @@ def main(argv=None) -> None:
                 result["decode"].setdefault(mode, {})[str(c)], tokens[mode] = bench_decode(decoder, c, prompt_len, new_tokens,
                                                                              mode.startswith("cuda_graph"),
                                                                              device, seed=0 if args.deterministic else c, profile=args.profile,
-                                                                             compile=mode == "cuda_graph_compiled", label=mode,
-                                                                             alone=mode.endswith("_alone"))
+                                                                             compile=mode.startswith("cuda_graph_compiled"), label=mode,
+                                                                             alone=mode.endswith("_alone"),
+                                                                             in_place=False if mode.endswith("_grouped") else None)
             except Exception as e:  # noqa: BLE001 - on a first GPU, one failing mode must not hide the others
                 log(f"decode {mode} concurrency {c} failed: {type(e).__name__}: {e}")
                 result["decode"].setdefault(mode, {})[str(c)] = {"error": f"{type(e).__name__}: {e}"}

@@ -123,13 +123,29 @@ def test_the_moe_paths_agree(small_modules, monkeypatch):
         ref = torch.stack([torch.stack([
             (torch.nn.functional.silu(x[n] @ moe.w_gate[e].T) * (x[n] @ moe.w_up[e].T)) @ moe.w_down[e].T
             for e in expert[n].tolist()]) for n in range(6)])
-        for path in (moe._grouped, moe._gathered, moe._dense):
+        for path in (moe._grouped, moe._gathered, moe._gathered_in_place, moe._dense):
             assert (path(x, expert) - ref).abs().max() < 1e-5, path.__name__
         batched = moe(x[:, None])
         monkeypatch.setitem(decoder_module._GROUPED, ("cpu", torch.float32), False)  # one GEMM per expert
         assert (moe._grouped(x, expert) - ref).abs().max() < 1e-5
         assert (moe(x[:, None]) - batched).abs().max() < 1e-5
         assert (moe(x[:, None], step=True) - batched).abs().max() < 1e-5
+
+
+def test_compiled_steps_that_read_experts_in_place_give_the_eager_tokens(small_modules, monkeypatch):
+    """The compiled step of few rows as a GPU runs it (each row's experts read in place by fused reductions),
+    here on the CPU: the same tokens as eager steps, and the in-place path really traced."""
+    _, decoder = small_modules
+    traced = []
+    in_place = decoder_module.MoE._gathered_in_place
+    monkeypatch.setattr(decoder_module.MoE, "_gathered_in_place", lambda self, x, e: traced.append(x.shape) or in_place(self, x, e))
+    monkeypatch.setattr(decoder_module.MoE, "in_place", True)
+    torch._dynamo.reset()
+    prompts = _prompts(decoder, [17, 30], seed=7)
+    eager = Generator(decoder, 2, eos_id=-1, rule=None, kv_tokens=2 * 128).generate(prompts, [40, 25])
+    compiled = Generator(decoder, 2, eos_id=-1, rule=None, kv_tokens=2 * 128, compile=True).generate(prompts, [40, 25])
+    assert [s.tokens for s in compiled] == [s.tokens for s in eager]
+    assert traced, "the compiled step did not take the in-place path"
 
 
 def test_bucketed_shapes_pad_rows_and_length_without_changing_the_tokens(small_modules):
