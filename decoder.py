@@ -143,12 +143,29 @@ class KVCache:
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
 
+class Linear(nn.Linear):
+    """nn.Linear without bias (the same parameter and key). In a compiled decode step of few rows it is a
+    reduction rather than a GEMM call: the compiler fuses it with what comes before and after (the norm,
+    RoPE, the cache write, the silu product) and with sibling projections of the same input, where each
+    GEMM call would be a kernel of its own for a row or two. `in_place = False`: GEMM calls (bench/gpu.py
+    measures both; docs/gpu.md)."""
+    in_place = True
+    in_place_rows = 8  # beyond a few rows, tensor-core GEMMs read each weight once for all of them
+
+    def __init__(self, fan_in: int, fan_out: int):
+        super().__init__(fan_in, fan_out, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.in_place and torch.compiler.is_compiling() and x.shape[:-1].numel() <= self.in_place_rows:
+            return (x.float()[..., None, :] * self.weight.float()).sum(-1).to(x.dtype)
+        return F.linear(x, self.weight.to(x.dtype))  # the router's fp32 input meets a bf16 weight
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         H, self.heads = cfg.hidden_size, cfg.num_attention_heads
-        self.q_proj, self.k_proj = nn.Linear(H, H, bias=False), nn.Linear(H, H, bias=False)
-        self.v_proj, self.o_proj = nn.Linear(H, H, bias=False), nn.Linear(H, H, bias=False)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = Linear(H, H), Linear(H, H), Linear(H, H), Linear(H, H)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None, layer: int = 0,
                 rows: Tensor | None = None, positions: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
@@ -175,8 +192,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.gate_proj, self.up_proj = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.gate_proj, self.up_proj, self.down_proj = Linear(dim, hidden), Linear(dim, hidden), Linear(hidden, dim)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -231,13 +247,13 @@ class MoE(nn.Module):
         super().__init__()
         E, H, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.top_k, self.scale = cfg.num_experts_per_tok, cfg.routed_scaling_factor
-        self.gate = nn.Linear(H, E, bias=False)
+        self.gate = Linear(H, E)
         self.w_gate, self.w_up = nn.Parameter(torch.empty(E, I, H)), nn.Parameter(torch.empty(E, I, H))
         self.w_down = nn.Parameter(torch.empty(E, H, I))
         self.shared_experts = MLP(H, I * cfg.n_shared_experts)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        probs = F.linear(x.float(), self.gate.weight.float()).softmax(dim=-1)  # router in fp32
+        probs = self.gate(x.float()).softmax(dim=-1)  # router in fp32
         weight, expert = probs.topk(self.top_k, dim=-1, sorted=False)  # greedy, not renormalised
         return weight * self.scale, expert
 
@@ -252,7 +268,7 @@ class MoE(nn.Module):
         expert, perm = expert.sort(dim=-1)
         weight = weight.gather(-1, perm)
         N, k, E = *expert.shape, self.w_gate.shape[0]
-        if step and N * k <= E and torch.compiler.is_compiling() and self.reads_experts_in_place(x.device):
+        if step and self.in_place and N * k <= E and torch.compiler.is_compiling():
             out = self._gathered_in_place(x, expert)
         elif step and (deterministic() or not grouped_mm_works(x.device, x.dtype)
                      or torch.compiler.is_compiling() and not grouped_mm_traceable(x.dtype)):
@@ -297,14 +313,10 @@ class MoE(nn.Module):
         h = (F.silu(gate) * up).to(x.dtype).float()  # [N, k, I]
         return (self.w_down[expert].float() * h[:, :, None, :]).sum(-1).to(x.dtype)
 
-    # Whether a compiled step of few rows reads its experts in place (`_gathered_in_place`) rather than
-    # through `_gathered`/`_grouped`: None picks by device (CUDA, where it replaces the grouped GEMMs'
-    # sort, grouping and mostly-empty groups with two fused kernels; a CPU's compiled step measured no
-    # faster with it); True/False force it (bench/gpu.py measures both).
-    in_place: bool | None = None
-
-    def reads_experts_in_place(self, device: torch.device) -> bool:
-        return device.type == "cuda" if self.in_place is None else self.in_place
+    # A compiled step of few rows reads its experts in place (`_gathered_in_place`): on a GPU that replaces
+    # the grouped GEMMs (their sort, grouping and mostly empty groups) with fused kernels. False: through
+    # `_grouped` or `_gathered` as uncompiled (bench/gpu.py measures both).
+    in_place = True
 
     def _dense(self, x: Tensor, expert: Tensor) -> Tensor:
         """Every row through every expert, then each row's k picked: no host sync, no row sees another;
@@ -338,7 +350,7 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         self.image_newline = nn.Parameter(torch.zeros(cfg.hidden_size))
         self.view_seperator = nn.Parameter(torch.zeros(cfg.hidden_size))  # sic: the checkpoint's spelling
         # device -> RoPE cos/sin tables up to max positions, built on first use there (not a buffer: modules

@@ -12,7 +12,9 @@ parameters) with random weights made on the device (nothing is downloaded), then
     time per output token p50/p99 (one step gives every sequence one token), peak memory; eager and
     with every step shape captured as a CUDA graph, in the same run, and whether both gave the same
     tokens; at --compile-levels also compiled and captured, and where few rows run (rows x top-k <=
-    experts) twice: the experts read in place by fused reductions (the default) and by grouped GEMMs;
+    experts) three ways: projections as fused reductions and each row's experts read in place (the
+    default), projections as GEMM calls ("_gemm"), and GEMM calls with grouped expert GEMMs ("_grouped",
+    the code before the in-place paths);
   * time to healthy: the random model written as an original-layout checkpoint (safetensors, config.json,
     the nano tokenizer's files) with a quantizer made for it, then a fresh process timed from its start
     until its engine is ready (weights read and moved to the device, one warm-up encode and decode);
@@ -43,10 +45,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from checkpoint import OCRModel, SpecialTokens, build_modules, save_model  # noqa: E402
-from decoder import Generator, MoE, RMSNorm, grouped_mm_works, set_deterministic  # noqa: E402
+from decoder import Generator, Linear, MoE, RMSNorm, grouped_mm_works, set_deterministic  # noqa: E402
 from encoder import LayerNorm2d  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "float32": torch.float32}
+
+
+# the compiled variants of few-row steps: (Linear.in_place, MoE.in_place) by mode suffix (none: both in place)
+IN_PLACE = {"gemm": (False, True), "grouped": (False, False)}
 
 
 def log(*a) -> None:
@@ -116,17 +122,17 @@ def percentile(xs: list[float], q: float) -> float:
 @torch.inference_mode()
 def bench_decode(decoder, c: int, prompt_len: int, new_tokens: int, graphs: bool, device, seed: int,
                  profile: Path | None = None, compile: bool = False, label: str = "", alone: bool = False,
-                 in_place: bool | None = None) -> tuple[dict, list]:
+                 in_place: tuple[bool, bool] = (True, True)) -> tuple[dict, list]:
     """c sequences of prompt_len random embeddings, prefilled together, then new_tokens each (`alone`: only
     the first of them, in the same c slots). With `profile`, the last few steps run under torch.profiler
-    (untimed) and its table is appended there. `in_place`: MoE.in_place for this run (compiled steps)."""
+    (untimed) and its table is appended there. `in_place`: (Linear.in_place, MoE.in_place) for this run."""
     if compile:
         torch._dynamo.reset()  # each compiled run compiles afresh: no variant inherits another's graphs or recompile count
-    MoE.in_place = in_place
+    Linear.in_place, MoE.in_place = in_place
     try:
         return _bench_decode(decoder, c, prompt_len, new_tokens, graphs, device, seed, profile, compile, label, alone)
     finally:
-        MoE.in_place = None
+        Linear.in_place = MoE.in_place = True
 
 
 def _bench_decode(decoder, c, prompt_len, new_tokens, graphs, device, seed, profile, compile, label, alone):
@@ -277,7 +283,8 @@ def main(argv=None) -> None:
               "moe_decode": "grouped_mm" if grouped_mm_works(device, dtype) else "gathered/dense",
               "encode": {}, "decode": {"eager": {}, "eager_again": {}, "cuda_graph": {} if device.type == "cuda" else None,
                                        "cuda_graph_compiled": {} if compiled else None,
-                                       "cuda_graph_compiled_grouped": {} if any(c * experts[1] <= experts[0] for c in compiled) else None},
+                                       **{f"cuda_graph_compiled_{v}": {} if any(c * experts[1] <= experts[0] for c in compiled) else None
+                                          for v in IN_PLACE}},
               "tokens_vs_eager": {}, "skipped": []}
     save = lambda: args.out.write_text(json.dumps(result) + "\n") if args.out else None
     save()
@@ -290,8 +297,9 @@ def main(argv=None) -> None:
         # eager twice: how far two runs of the same kernels agree (the baseline for the other modes)
         modes = ["eager", "eager_again"] + (["cuda_graph"] if device.type == "cuda" else []) + (["cuda_graph_compiled"] if c in compiled else [])
         if c in compiled and c * experts[1] <= experts[0]:
-            # few rows: compiled steps read each row's experts in place; the same with the grouped GEMMs instead
-            modes.append("cuda_graph_compiled_grouped")
+            # few rows: compiled steps compute projections as fused reductions and read each row's experts in
+            # place; the same with GEMM calls for the projections, and with those and the grouped GEMMs
+            modes += ["cuda_graph_compiled_gemm", "cuda_graph_compiled_grouped"]
         if args.deterministic and c > 1:
             modes += [m + "_alone" for m in modes if m in ("eager", "cuda_graph")]
         for mode in modes:
@@ -304,7 +312,7 @@ def main(argv=None) -> None:
                                                                              device, seed=0 if args.deterministic else c, profile=args.profile,
                                                                              compile=mode.startswith("cuda_graph_compiled"), label=mode,
                                                                              alone=mode.endswith("_alone"),
-                                                                             in_place=False if mode.endswith("_grouped") else None)
+                                                                             in_place=IN_PLACE.get(mode.rsplit("_", 1)[-1], (True, True)))
             except Exception as e:  # noqa: BLE001 - on a first GPU, one failing mode must not hide the others
                 log(f"decode {mode} concurrency {c} failed: {type(e).__name__}: {e}")
                 result["decode"].setdefault(mode, {})[str(c)] = {"error": f"{type(e).__name__}: {e}"}

@@ -133,13 +133,15 @@ def test_the_moe_paths_agree(small_modules, monkeypatch):
 
 
 def test_compiled_steps_that_read_experts_in_place_give_the_eager_tokens(small_modules, monkeypatch):
-    """The compiled step of few rows as a GPU runs it (each row's experts read in place by fused reductions),
-    here on the CPU: the same tokens as eager steps, and the in-place path really traced."""
+    """The compiled step of few rows as a GPU runs it (each row's experts read in place, every projection a
+    reduction fused with its neighbours), here on the CPU: the same tokens as eager steps, and the in-place
+    path really traced."""
     _, decoder = small_modules
     traced = []
     in_place = decoder_module.MoE._gathered_in_place
     monkeypatch.setattr(decoder_module.MoE, "_gathered_in_place", lambda self, x, e: traced.append(x.shape) or in_place(self, x, e))
     monkeypatch.setattr(decoder_module.MoE, "in_place", True)
+    monkeypatch.setattr(decoder_module.Linear, "in_place", True)
     torch._dynamo.reset()
     prompts = _prompts(decoder, [17, 30], seed=7)
     eager = Generator(decoder, 2, eos_id=-1, rule=None, kv_tokens=2 * 128).generate(prompts, [40, 25])
