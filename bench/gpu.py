@@ -11,10 +11,10 @@ parameters) with random weights made on the device (nothing is downloaded), then
     image's, then 128 tokens; no EOS, no repetition rule): the batched prefill's seconds, tokens/s,
     time per output token p50/p99 (one step gives every sequence one token), peak memory; eager and
     with every step shape captured as a CUDA graph, in the same run, and whether both gave the same
-    tokens; at --compile-levels also compiled and captured, and where few rows run (rows x top-k <=
-    experts) three ways: projections as fused reductions and each row's experts read in place (the
-    default), projections as GEMM calls ("_gemm"), and GEMM calls with grouped expert GEMMs ("_grouped",
-    the code before the in-place paths);
+    tokens; at --compile-levels also compiled (and captured, on CUDA), and where few rows run (rows x
+    top-k <= experts) three ways: projections as fused reductions and each row's experts read in place
+    (the default), projections as GEMM calls ("_gemm"), and GEMM calls with grouped expert GEMMs
+    ("_grouped", the code before the in-place paths);
   * time to healthy: the random model written as an original-layout checkpoint (safetensors, config.json,
     the nano tokenizer's files) with a quantizer made for it, then a fresh process timed from its start
     until its engine is ready (weights read and moved to the device, one warm-up encode and decode);
@@ -237,8 +237,8 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16 (--tiny: float32)")
     ap.add_argument("--encode-batches", help="default 1,8,32 (--tiny: 1,2)")
     ap.add_argument("--concurrency", help="default 1,16,64,128 (--tiny: 1,4)")
-    ap.add_argument("--compile-levels", help="levels also run with torch.compile'd, graph-captured steps (default 1,128 "
-                    "on CUDA; none on the CPU)")
+    ap.add_argument("--compile-levels", help="levels also run with torch.compile'd steps, graph-captured on CUDA "
+                    "(default 1,128 on CUDA; none on the CPU)")
     ap.add_argument("--prompt-len", type=int, help="default 280 (--tiny: 64)")
     ap.add_argument("--new-tokens", type=int, help="default 128 (--tiny: 16)")
     ap.add_argument("--encode-iters", type=int, help="default 5 (--tiny: 1)")
@@ -261,6 +261,7 @@ def main(argv=None) -> None:
     batches = [int(x) for x in pick(args.encode_batches, "1,8,32", "1,2").split(",")]
     levels = [int(x) for x in pick(args.concurrency, "1,16,64,128", "1,4").split(",")]
     default_compiled = "1,128" if device.type == "cuda" else ""
+    compiled_mode = "cuda_graph_compiled" if device.type == "cuda" else "compiled"  # a CPU has no graphs
     compiled = {int(x) for x in (args.compile_levels if args.compile_levels is not None else default_compiled).split(",") if x}
     prompt_len, new_tokens = pick(args.prompt_len, 280, 64), pick(args.new_tokens, 128, 16)
     iters = pick(args.encode_iters, 5, 1)
@@ -282,8 +283,8 @@ def main(argv=None) -> None:
               "params": params, "build_s": build_s, "prompt_len": prompt_len, "new_tokens": new_tokens,
               "moe_decode": "grouped_mm" if grouped_mm_works(device, dtype) else "gathered/dense",
               "encode": {}, "decode": {"eager": {}, "eager_again": {}, "cuda_graph": {} if device.type == "cuda" else None,
-                                       "cuda_graph_compiled": {} if compiled else None,
-                                       **{f"cuda_graph_compiled_{v}": {} if any(c * experts[1] <= experts[0] for c in compiled) else None
+                                       compiled_mode: {} if compiled else None,
+                                       **{f"{compiled_mode}_{v}": {} if any(c * experts[1] <= experts[0] for c in compiled) else None
                                           for v in IN_PLACE}},
               "tokens_vs_eager": {}, "skipped": []}
     save = lambda: args.out.write_text(json.dumps(result) + "\n") if args.out else None
@@ -295,11 +296,11 @@ def main(argv=None) -> None:
     for c in levels:
         tokens = {}
         # eager twice: how far two runs of the same kernels agree (the baseline for the other modes)
-        modes = ["eager", "eager_again"] + (["cuda_graph"] if device.type == "cuda" else []) + (["cuda_graph_compiled"] if c in compiled else [])
+        modes = ["eager", "eager_again"] + (["cuda_graph"] if device.type == "cuda" else []) + ([compiled_mode] if c in compiled else [])
         if c in compiled and c * experts[1] <= experts[0]:
             # few rows: compiled steps compute projections as fused reductions and read each row's experts in
             # place; the same with GEMM calls for the projections, and with those and the grouped GEMMs
-            modes += ["cuda_graph_compiled_gemm", "cuda_graph_compiled_grouped"]
+            modes += [f"{compiled_mode}_{v}" for v in IN_PLACE]
         if args.deterministic and c > 1:
             modes += [m + "_alone" for m in modes if m in ("eager", "cuda_graph")]
         for mode in modes:
@@ -310,7 +311,7 @@ def main(argv=None) -> None:
                 result["decode"].setdefault(mode, {})[str(c)], tokens[mode] = bench_decode(decoder, c, prompt_len, new_tokens,
                                                                              mode.startswith("cuda_graph"),
                                                                              device, seed=0 if args.deterministic else c, profile=args.profile,
-                                                                             compile=mode.startswith("cuda_graph_compiled"), label=mode,
+                                                                             compile=mode.startswith(compiled_mode), label=mode,
                                                                              alone=mode.endswith("_alone"),
                                                                              in_place=IN_PLACE.get(mode.rsplit("_", 1)[-1], (True, True)))
             except Exception as e:  # noqa: BLE001 - on a first GPU, one failing mode must not hide the others
