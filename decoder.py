@@ -252,23 +252,42 @@ class MoE(nn.Module):
         self.w_down = nn.Parameter(torch.empty(E, H, I))
         self.shared_experts = MLP(H, I * cfg.n_shared_experts)
 
-    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def route(self, x: Tensor, in_place: bool = False) -> tuple[Tensor, Tensor]:
+        """Each row's top-k experts in ascending order, and their weights: the combine adds the experts'
+        outputs in this order, one fixed order whatever else is in the batch (a scatter-add's order is the
+        kernel's choice). `in_place`: as comparisons and sums (`_route_in_place`)."""
         probs = self.gate(x.float()).softmax(dim=-1)  # router in fp32
-        weight, expert = probs.topk(self.top_k, dim=-1, sorted=False)  # greedy, not renormalised
+        if in_place:
+            weight, expert = self._route_in_place(probs)
+        else:
+            weight, expert = probs.topk(self.top_k, dim=-1, sorted=False)  # greedy, not renormalised
+            expert, perm = expert.sort(dim=-1)
+            weight = weight.gather(-1, perm)
         return weight * self.scale, expert
+
+    def _route_in_place(self, probs: Tensor) -> tuple[Tensor, Tensor]:
+        """topk and sort as comparisons and sums, which a compiled step fuses into a kernel or two (topk and
+        sort are library calls it cannot fuse). An expert is chosen when fewer than k others beat it (a
+        higher probability, or an equal one at a lower index: topk leaves exact ties unspecified); its place
+        among the chosen is the count of chosen experts below it."""
+        E, k, dev = probs.shape[-1], self.top_k, probs.device
+        e = torch.arange(E, device=dev)
+        below = e[None, :] < e[:, None]  # [E, E]: below[i, j] = j < i
+        mine, other = probs[:, :, None], probs[:, None, :]
+        chosen = ((other > mine) | (other == mine) & below).sum(-1) < k  # [N, E]
+        place = (chosen[:, None, :] & below).sum(-1)  # [N, E]: chosen experts below each
+        slot = chosen[:, None, :] & (place[:, None, :] == torch.arange(k, device=dev)[:, None])  # [N, k, E]
+        return (slot * probs[:, None, :]).sum(-1), (slot * e).sum(-1)
 
     def forward(self, x: Tensor, step: bool = False) -> Tensor:
         """`step`: a decode step, which must not wait on the device (CUDA graphs) and, in deterministic
         mode, must compute each row independently of the others."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weight, expert = self.route(x)
-        # each token's experts in ascending order: the combine below adds their outputs in this order,
-        # one fixed order whatever else is in the batch (a scatter-add's order is the kernel's choice)
-        expert, perm = expert.sort(dim=-1)
-        weight = weight.gather(-1, perm)
-        N, k, E = *expert.shape, self.w_gate.shape[0]
-        if step and self.in_place and N * k <= E and torch.compiler.is_compiling():
+        N, k, E = x.shape[0], self.top_k, self.w_gate.shape[0]
+        in_place = step and self.in_place and N * k <= E and torch.compiler.is_compiling()
+        weight, expert = self.route(x, in_place)
+        if in_place:
             out = self._gathered_in_place(x, expert)
         elif step and (deterministic() or not grouped_mm_works(x.device, x.dtype)
                      or torch.compiler.is_compiling() and not grouped_mm_traceable(x.dtype)):

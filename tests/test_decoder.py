@@ -118,8 +118,14 @@ def test_the_moe_paths_agree(small_modules, monkeypatch):
     moe = decoder.layers[1].mlp
     x = torch.randn(6, 64, generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
-        _, expert = moe.route(x)
-        expert = expert.sort(dim=-1).values
+        weight, expert = moe.route(x)
+        assert (expert.diff(dim=-1) > 0).all()  # ascending: the combine's fixed order
+        # the compiled step's routing by comparisons: the same experts and the same weights, bit for bit
+        in_place = moe.route(x, in_place=True)
+        assert torch.equal(in_place[1], expert) and torch.equal(in_place[0], weight)
+        # exact ties (all experts equally likely): exactly k chosen, the lowest indices, as a strict order would
+        tied_weight, tied = moe._route_in_place(torch.full((2, 8), 1 / 8))
+        assert tied.tolist() == [[0, 1, 2]] * 2 and (tied_weight == 1 / 8).all()
         ref = torch.stack([torch.stack([
             (torch.nn.functional.silu(x[n] @ moe.w_gate[e].T) * (x[n] @ moe.w_up[e].T)) @ moe.w_down[e].T
             for e in expert[n].tolist()]) for n in range(6)])
