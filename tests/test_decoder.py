@@ -198,8 +198,9 @@ def test_a_banned_best_token_is_replaced_and_the_next_step_reads_the_replacement
 
 
 def test_gpu_bench_tiny_runs_and_prints_its_json():
-    out = subprocess.run([sys.executable, "bench/gpu.py", "--tiny", "--threads", "1"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
+    # compiled at one sequence too: the three variants a GPU run compares (without graphs on a CPU)
+    out = subprocess.run([sys.executable, "bench/gpu.py", "--tiny", "--threads", "1", "--compile-levels", "1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["device"] == "cpu" and r["params"] > 0 and r["skipped"] == []
@@ -209,6 +210,8 @@ def test_gpu_bench_tiny_runs_and_prints_its_json():
     for d in r["decode"]["eager"].values():
         assert d["steps_timed"] == r["new_tokens"] - 3 and d["tokens_per_s"] > 0  # 1 from prefill, 2 warm-up
         assert 0 < d["tpot_ms_p50"] <= d["tpot_ms_p99"] and d["prefill_s"] > 0 and d["kv_gb"] > 0
+    for mode in ("compiled", "compiled_gemm", "compiled_grouped"):
+        assert set(r["decode"][mode]) == {"1"} and r["decode"][mode]["1"]["tokens_per_s"] > 0, r["decode"][mode]
 
 
 def test_the_grouped_gemm_is_trusted_on_cuda_only_where_it_is_one_kernel(monkeypatch):
