@@ -145,10 +145,10 @@ class KVCache:
 
 class Linear(nn.Linear):
     """nn.Linear without bias (the same parameter and key). In a compiled decode step of few rows it is a
-    reduction rather than a GEMM call: the compiler fuses it with what comes before and after (the norm,
-    RoPE, the cache write, the silu product) and with sibling projections of the same input, where each
-    GEMM call would be a kernel of its own for a row or two. `in_place = False`: GEMM calls (bench/gpu.py
-    measures both; docs/gpu.md)."""
+    reduction rather than a GEMM call, which the compiler can fuse with what comes before and after (the
+    norm, RoPE, the cache write, the silu product) and with sibling projections of the same input, where
+    each GEMM call would be a kernel of its own for a row or two. `in_place = False`: GEMM calls
+    (bench/gpu.py measures both; docs/gpu.md)."""
     in_place = True
     in_place_rows = 8  # beyond a few rows, tensor-core GEMMs read each weight once for all of them
 
@@ -243,6 +243,11 @@ def per_group_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
 
 
 class MoE(nn.Module):
+    # A compiled step of few rows routes and reads its experts in place (`_route_in_place`,
+    # `_gathered_in_place`): on a GPU that replaces topk, sort and the grouped GEMMs (their grouping and
+    # mostly empty groups) with fused kernels. False: as uncompiled (bench/gpu.py measures both).
+    in_place = True
+
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         E, H, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -331,11 +336,6 @@ class MoE(nn.Module):
         up = (self.w_up[expert].float() * xf).sum(-1)
         h = (F.silu(gate) * up).to(x.dtype).float()  # [N, k, I]
         return (self.w_down[expert].float() * h[:, :, None, :]).sum(-1).to(x.dtype)
-
-    # A compiled step of few rows reads its experts in place (`_gathered_in_place`): on a GPU that replaces
-    # the grouped GEMMs (their sort, grouping and mostly empty groups) with fused kernels. False: through
-    # `_grouped` or `_gathered` as uncompiled (bench/gpu.py measures both).
-    in_place = True
 
     def _dense(self, x: Tensor, expert: Tensor) -> Tensor:
         """Every row through every expert, then each row's k picked: no host sync, no row sees another;
