@@ -143,6 +143,13 @@ class KVCache:
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
 
+def product_sum(x: Tensor, w: Tensor) -> Tensor:
+    """x @ w.T as a product and a sum over the last dim, in fp32 (w may lead with x's batch dims): a compiled
+    step turns it into a reduction that reads w where it lies and fuses with its neighbours. Eagerly it
+    would materialise the products: for compiled steps of few rows only."""
+    return (x.float()[..., None, :] * w.float()).sum(-1)
+
+
 class Linear(nn.Linear):
     """nn.Linear without bias (the same parameter and key). In a compiled decode step of few rows it is a
     reduction rather than a GEMM call, which the compiler can fuse with what comes before and after (the
@@ -157,7 +164,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.in_place and torch.compiler.is_compiling() and x.shape[:-1].numel() <= self.in_place_rows:
-            return (x.float()[..., None, :] * self.weight.float()).sum(-1).to(x.dtype)
+            return product_sum(x, self.weight).to(x.dtype)
         return F.linear(x, self.weight.to(x.dtype))  # the router's fp32 input meets a bf16 weight
 
 
@@ -331,11 +338,9 @@ class MoE(nn.Module):
         copy of their matrices, no sort, no grouping), and the silu product into its epilogue. Accumulates
         in fp32; the silu product is rounded to the weights' dtype, as a GEMM's output would be. Eagerly it
         would materialise [N, k, I, H] products: only under torch.compile."""
-        xf = x.float()[:, None, None, :]
-        gate = (self.w_gate[expert].float() * xf).sum(-1)
-        up = (self.w_up[expert].float() * xf).sum(-1)
-        h = (F.silu(gate) * up).to(x.dtype).float()  # [N, k, I]
-        return (self.w_down[expert].float() * h[:, :, None, :]).sum(-1).to(x.dtype)
+        rows = x[:, None, :]  # [N, 1, H] against each row's k experts
+        h = (F.silu(product_sum(rows, self.w_gate[expert])) * product_sum(rows, self.w_up[expert])).to(x.dtype)
+        return product_sum(h, self.w_down[expert]).to(x.dtype)  # [N, k, I] -> [N, k, H]
 
     def _dense(self, x: Tensor, expert: Tensor) -> Tensor:
         """Every row through every expert, then each row's k picked: no host sync, no row sees another;
@@ -565,8 +570,8 @@ class Generator:
         # torch.compile fuses a step's elementwise chains (norms, RoPE, routing, the combine) into a few
         # kernels; compiled on a shape's first step (outside any capture), the graph captures the result
         self._decode_step = torch.compile(decoder.decode_step) if compile else decoder.decode_step
-        # Without a traceable grouped GEMM a compiled step gathers each row's experts, which pays for few
-        # rows only (every expert for every row, beyond them, is slower than the eager grouped GEMM)
+        # Without a traceable grouped GEMM a compiled step reads each row's experts in place, which pays for
+        # few rows only (every expert for every row, beyond them, is slower than the eager grouped GEMM)
         c = decoder.cfg
         dtype = decoder.embed_tokens.weight.dtype
         self.compiled_rows = self.slots if grouped_mm_traceable(dtype) else c.n_routed_experts // c.num_experts_per_tok
