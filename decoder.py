@@ -254,6 +254,11 @@ class MoE(nn.Module):
     # `_gathered_in_place`): on a GPU that replaces topk, sort and the grouped GEMMs (their grouping and
     # mostly empty groups) with fused kernels. False: as uncompiled (bench/gpu.py measures both).
     in_place = True
+    # Beyond those rows, a compiled step with no traceable grouped GEMM (fp32) runs every expert on every
+    # row (`_dense`) while a layer's experts hold at most this many weights: small experts cost a GEMM call
+    # each in the eager grouped path, more than the E/k times more multiplies of one fused computation;
+    # large ones (the real model's are 220M a layer) would pay those multiplies in full.
+    dense_max_weights = 1 << 22
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
@@ -263,6 +268,14 @@ class MoE(nn.Module):
         self.w_gate, self.w_up = nn.Parameter(torch.empty(E, I, H)), nn.Parameter(torch.empty(E, I, H))
         self.w_down = nn.Parameter(torch.empty(E, H, I))
         self.shared_experts = MLP(H, I * cfg.n_shared_experts)
+
+    @property
+    def in_place_rows(self) -> int:
+        """The most rows a compiled step reads experts for in place (rows x top-k within the experts)."""
+        return self.w_gate.shape[0] // self.top_k
+
+    def compiles_dense(self) -> bool:
+        return 3 * self.w_gate.numel() <= self.dense_max_weights
 
     def route(self, x: Tensor, in_place: bool = False) -> tuple[Tensor, Tensor]:
         """Each row's top-k experts in ascending order, and their weights: the combine adds the experts'
@@ -570,11 +583,13 @@ class Generator:
         # torch.compile fuses a step's elementwise chains (norms, RoPE, routing, the combine) into a few
         # kernels; compiled on a shape's first step (outside any capture), the graph captures the result
         self._decode_step = torch.compile(decoder.decode_step) if compile else decoder.decode_step
-        # Without a traceable grouped GEMM a compiled step reads each row's experts in place, which pays for
-        # few rows only (every expert for every row, beyond them, is slower than the eager grouped GEMM)
-        c = decoder.cfg
-        dtype = decoder.embed_tokens.weight.dtype
-        self.compiled_rows = self.slots if grouped_mm_traceable(dtype) else c.n_routed_experts // c.num_experts_per_tok
+        # Without a traceable grouped GEMM a compiled step reads each row's experts in place, and beyond those
+        # rows runs every expert on every row where the experts are small (MoE.dense_max_weights); with
+        # large ones the steps of more rows stay eager
+        moe = [layer.mlp for layer in decoder.layers if not layer.dense]
+        self.in_place_rows = min((m.in_place_rows for m in moe), default=self.slots)
+        traceable = grouped_mm_traceable(decoder.embed_tokens.weight.dtype)
+        self.compiled_rows = self.slots if traceable or all(m.compiles_dense() for m in moe) else self.in_place_rows
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.free = list(range(slots))
         self.active: dict[int, Sequence] = {}  # slot -> sequence
@@ -690,6 +705,16 @@ class Generator:
             self._decode_step = self.decoder.decode_step
             logits = self._decode_step(self.cache, self.tokens[:B], self.pos[:B], L)
         return logits, logits.argmax(-1)
+
+    def warmup_shapes(self) -> list[tuple[int, int]]:
+        """The (rows, length) shapes whose compiling covers every step a compiled generator will run: a static
+        one-row step, one general in rows and length, and the same beyond the rows that read experts in place
+        (another MoE path) where steps of more rows are compiled too."""
+        shapes = [(1, 256), (1, 257), (2, 257)]
+        if self.compiled_rows > self.in_place_rows:
+            rows = self.in_place_rows + 1
+            shapes += [(rows, 257), (min(self.compiled_rows, 2 * rows), 258)]  # distinct rows once bucketed too
+        return shapes
 
     @torch.inference_mode()
     def prepare(self, shapes: list[tuple[int, int]]) -> None:

@@ -379,8 +379,8 @@ class Engine:
             raise StartupError(f"warm-up encode gave codes of shape {codes.shape} (max {int(codes.max())}); this "
                                f"service needs {NUM_CODES} codes in 0..{MAX_LEVEL}: check the model's view mode "
                                "and QUANTIZER")
-        if self.s.compile:  # a static step for one row, then one general in rows and length: no compiling in requests
-            self.gen.prepare([(1, 256), (1, 257), (2, 257)])
+        if self.s.compile:  # every compiling now, none in requests
+            self.gen.prepare(self.gen.warmup_shapes())
         seq = self.gen.add([self.pipeline.decode_inputs(codes[0], "free")], [self.s.warmup_tokens])[0]
         while seq.finish_reason is None:
             self.gen.step()

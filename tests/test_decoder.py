@@ -156,6 +156,39 @@ def test_compiled_steps_that_read_experts_in_place_give_the_eager_tokens(small_m
     assert traced, "the compiled step did not take the in-place path"
 
 
+def test_compiled_steps_of_more_rows_run_every_expert_give_the_eager_tokens_and_compile_only_in_warm_up(
+        small_modules, monkeypatch):
+    """Beyond the rows that read experts in place, a compiled fp32 step runs every expert on every row (the
+    eager steps use the grouped GEMM): the same tokens, and the warm-up shapes compile everything the
+    generation then meets, down to one row and up to every slot."""
+    from torch._dynamo.utils import counters
+    _, decoder = small_modules
+    traced, rows = [], []
+    dense = decoder_module.MoE._dense
+
+    def noted_dense(self, x, e):
+        if not traced:  # noted once: a list that kept growing would recompile the step at every call
+            traced.append(x.shape[0])
+        return dense(self, x, e)
+    monkeypatch.setattr(decoder_module.MoE, "_dense", noted_dense)
+    torch._dynamo.reset()
+    prompts = _prompts(decoder, [17, 30, 9, 22, 41], seed=11)
+    limits = [40, 25, 33, 12, 28]
+    eager = Generator(decoder, 5, eos_id=-1, rule=None, kv_tokens=5 * 128).generate(prompts, limits)
+    gen = Generator(decoder, 5, eos_id=-1, rule=None, kv_tokens=5 * 300, compile=True)  # warm-up lengths fit
+    assert (gen.in_place_rows, gen.compiled_rows) == (2, 5)  # 8 experts, top 3
+    gen.prepare(gen.warmup_shapes())
+    assert traced, "the warm-up compiled no step that runs every expert"
+    graphs, step = counters["stats"]["unique_graphs"], gen._decode_step
+    gen._decode_step = lambda cache, tokens, *a: rows.append(tokens.shape[0]) or step(cache, tokens, *a)
+    compiled = gen.generate(prompts, limits)
+    assert [s.tokens for s in compiled] == [s.tokens for s in eager]
+    assert set(rows) == {1, 2, 3, 4, 5}, "not every step went through the compiled step"
+    assert counters["stats"]["unique_graphs"] == graphs, "a step compiled after the warm-up"
+    monkeypatch.setattr(decoder_module.MoE, "dense_max_weights", 0)  # experts too large to run densely
+    assert Generator(decoder, 5, eos_id=-1, rule=None, kv_tokens=5 * 128, compile=True).compiled_rows == 2
+
+
 def test_bucketed_shapes_pad_rows_and_length_without_changing_the_tokens(small_modules):
     _, decoder = small_modules
     gen = Generator(decoder, 12, eos_id=-1, rule=None, kv_tokens=12 * 600, buckets=True)
