@@ -309,19 +309,19 @@ class MoE(nn.Module):
         mode, must compute each row independently of the others."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        N, k, E = x.shape[0], self.top_k, self.w_gate.shape[0]
-        in_place = step and self.in_place and N * k <= E and torch.compiler.is_compiling()
+        few = x.shape[0] <= self.in_place_rows
+        in_place = step and self.in_place and few and torch.compiler.is_compiling()
         weight, expert = self.route(x, in_place)
         if in_place:
             out = self._gathered_in_place(x, expert)
         elif step and (deterministic() or not grouped_mm_works(x.device, x.dtype)
                      or torch.compiler.is_compiling() and not grouped_mm_traceable(x.dtype)):
-            out = self._gathered(x, expert) if N * k <= E else self._dense(x, expert)
+            out = self._gathered(x, expert) if few else self._dense(x, expert)
         else:  # prompts without a grouped GEMM fall back to one GEMM per expert (a host sync per layer)
             out = self._grouped(x, expert)
         routed = out * weight[..., None]  # fp32 (weight is): the cast and the product in one kernel
         y = routed[:, 0]
-        for j in range(1, k):
+        for j in range(1, self.top_k):
             y = y + routed[:, j]
         return (y.to(x.dtype) + self.shared_experts(x)).view(shape)
 

@@ -273,7 +273,7 @@ def main(argv=None) -> None:
     over = lambda: time.perf_counter() - start > args.budget_s
     cfg = json.loads(config.read_text())
     encoder, decoder = random_model(cfg, device, dtype)
-    experts = decoder.cfg.n_routed_experts, decoder.cfg.num_experts_per_tok
+    in_place_rows = next(layer.mlp for layer in decoder.layers if not layer.dense).in_place_rows
     sync(device)
     build_s = time.perf_counter() - start
     params = sum(p.numel() for m in (encoder, decoder) for p in m.parameters())
@@ -284,7 +284,7 @@ def main(argv=None) -> None:
               "moe_decode": "grouped_mm" if grouped_mm_works(device, dtype) else "gathered/dense",
               "encode": {}, "decode": {"eager": {}, "eager_again": {}, "cuda_graph": {} if device.type == "cuda" else None,
                                        compiled_mode: {} if compiled else None,
-                                       **{f"{compiled_mode}_{v}": {} if any(c * experts[1] <= experts[0] for c in compiled) else None
+                                       **{f"{compiled_mode}_{v}": {} if any(c <= in_place_rows for c in compiled) else None
                                           for v in IN_PLACE}},
               "tokens_vs_eager": {}, "skipped": []}
     save = lambda: args.out.write_text(json.dumps(result) + "\n") if args.out else None
@@ -297,7 +297,7 @@ def main(argv=None) -> None:
         tokens = {}
         # eager twice: how far two runs of the same kernels agree (the baseline for the other modes)
         modes = ["eager", "eager_again"] + (["cuda_graph"] if device.type == "cuda" else []) + ([compiled_mode] if c in compiled else [])
-        if c in compiled and c * experts[1] <= experts[0]:
+        if c in compiled and c <= in_place_rows:
             # few rows: compiled steps compute projections as fused reductions and read each row's experts in
             # place; the same with GEMM calls for the projections, and with those and the grouped GEMMs
             modes += [f"{compiled_mode}_{v}" for v in IN_PLACE]
