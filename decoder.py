@@ -111,8 +111,10 @@ class KVCache:
         device = torch.device(device)
         lazy = device.type == "cpu"
         make = torch.empty if lazy else torch.zeros
-        self.k = make(layers, slots, heads, length, head_dim, dtype=dtype, device=device)
-        self.v = make(layers, slots, heads, length, head_dim, dtype=dtype, device=device)
+        # one spare position that nothing reads or writes: a step's view of the first L positions is then never
+        # the whole tensor, whose contiguity torch.compile would otherwise guard on (a recompile at L = length)
+        self.k = make(layers, slots, heads, length + 1, head_dim, dtype=dtype, device=device)
+        self.v = make(layers, slots, heads, length + 1, head_dim, dtype=dtype, device=device)
         self.length = length
         self.ready = 0 if lazy else length  # positions [0, ready) hold zeros or written entries in every slot
 
@@ -394,14 +396,17 @@ class Decoder(nn.Module):
         # are built on the meta device and loaded by assignment, and a dtype cast must not round them)
         self._rope: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
+    def rope_tables(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """fp32 cos, sin [max_positions, head_dim] on `device`, built there on first use."""
+        if device not in self._rope:
+            c = self.cfg
+            self._rope[device] = rope_table(c.max_position_embeddings, c.head_dim, c.rope_theta, device)
+        return self._rope[device]
+
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """fp32 cos, sin [B,1,T,d] for positions [B,T]: rows of the table, once per forward (not per layer)."""
-        table = self._rope.get(positions.device)
-        if table is None:
-            c = self.cfg
-            table = self._rope[positions.device] = rope_table(c.max_position_embeddings, c.head_dim, c.rope_theta,
-                                                              positions.device)
-        return table[0][positions][:, None], table[1][positions][:, None]
+        cos, sin = self.rope_tables(positions.device)
+        return cos[positions][:, None], sin[positions][:, None]
 
     def layout_image(self, features: Tensor) -> Tensor:
         """[g*g, D] projected features -> [g*(g+1)+1, D]: each row + image_newline, then view_seperator."""
@@ -572,8 +577,11 @@ class Generator:
         # the step's inputs live on the device: each slot's last token and the position it goes to
         self.tokens = torch.zeros(slots, dtype=torch.long, device=dev)
         self.pos = torch.zeros(slots, dtype=torch.long, device=dev)
-        for d in {decoder, self.prefill_decoder}:  # probed now: not inside a capture or a compiled trace
+        # probed and built now, not inside a capture or a compiled trace: a RoPE table built by a compiled
+        # step's first call fails the guards of its second, which then recompiles, inside the graph capture
+        for d in {decoder, self.prefill_decoder}:
             grouped_mm_works(dev, d.embed_tokens.weight.dtype)
+            d.rope_tables(dev)
         cuda = dev.type == "cuda"
         self.buckets = cuda if buckets is None else buckets
         self.cuda_graphs = cuda if cuda_graphs is None else cuda_graphs

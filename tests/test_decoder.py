@@ -189,6 +189,25 @@ def test_compiled_steps_of_more_rows_run_every_expert_give_the_eager_tokens_and_
     assert Generator(decoder, 5, eos_id=-1, rule=None, kv_tokens=5 * 128, compile=True).compiled_rows == 2
 
 
+def test_after_warm_up_no_compiled_step_compiles_again_not_the_capture_nor_a_whole_slot(small_modules):
+    """On CUDA a shape's second compiled step is the one captured in a graph, where compiling fails (the
+    service then decoded eagerly, without graphs). So a first step must build nothing its guards read
+    (the RoPE table of a freshly loaded decoder), and a step over a whole slot must not be a new shape
+    to the compiler."""
+    from torch._dynamo.utils import counters
+    _, decoder = small_modules
+    decoder._rope.clear()  # as loaded: no prefill has built the table yet
+    torch._dynamo.reset()
+    gen = Generator(decoder, 2, eos_id=-1, rule=None, kv_tokens=2 * 300, compile=True)
+    for shape in gen.warmup_shapes():  # as a GPU runs them: each shape's first step, then its capture
+        gen.prepare([shape])
+        graphs = counters["stats"]["unique_graphs"]
+        gen.prepare([shape])
+        assert counters["stats"]["unique_graphs"] == graphs, f"the second step of {shape} compiled again"
+    gen.prepare([(1, 300), (2, 300), (2, 299)])
+    assert counters["stats"]["unique_graphs"] == graphs, "a step over a whole slot compiled after the warm-up"
+
+
 def test_bucketed_shapes_pad_rows_and_length_without_changing_the_tokens(small_modules):
     _, decoder = small_modules
     gen = Generator(decoder, 12, eos_id=-1, rule=None, kv_tokens=12 * 600, buckets=True)

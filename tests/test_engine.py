@@ -96,7 +96,8 @@ def test_the_kv_cache_is_sized_once_and_requests_that_cannot_fit_are_refused(pag
         engine.wait_ready(60)
         cache = engine.gen.cache
         k, v, shape = cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape)
-        assert shape[1] == 2 and shape[3] == slot  # DECODE_SLOTS x KV_CACHE_TOKENS / DECODE_SLOTS positions
+        # DECODE_SLOTS x KV_CACHE_TOKENS / DECODE_SLOTS positions (and one spare that no step reads)
+        assert shape[1] == 2 and cache.length == slot and shape[3] == slot + 1
         most = engine.max_new_tokens("free")
         assert most == slot - engine.pipeline.prompt_length("free") > 0
         codes = engine.encode(pages[0].image).future.result(60)
