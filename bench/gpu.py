@@ -52,10 +52,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "float32": torch.float3
 
 
 # the compiled variants of few-row steps by mode suffix (none: both in place, inductor's defaults):
-# (Linear.in_place, MoE.in_place) and inductor options; "tuned" lets inductor tune each reduction's launch
-# (block sizes, warps) by coordinate descent, as gpt-fast does for its one-row steps
-VARIANTS = {"gemm": ((False, True), {}), "grouped": ((False, False), {}),
-            "tuned": ((True, True), {"coordinate_descent_tuning": True})}
+# (Linear.in_place, MoE.in_place) and inductor options for the run, e.g. {"coordinate_descent_tuning": True}
+VARIANTS = {"gemm": ((False, True), {}), "grouped": ((False, False), {})}
 
 
 def log(*a) -> None:

@@ -17,6 +17,7 @@ import argparse
 import base64
 import json
 import os
+import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -104,6 +105,9 @@ def check(args) -> None:
             continue
         finally:
             stop_server(proc)
+            if args.logs:  # the server's own log: warnings (a failed capture or compile), TORCH_LOGS output
+                args.logs.mkdir(parents=True, exist_ok=True)
+                shutil.copy(log, args.logs / f"server-{dtype}.log")
         codes = lambda b64: unpack(base64.b64decode(b64))
         same_codes = np.mean([(codes(a) == codes(b)).mean() for a, b in zip(own16["codes"], ref["codes"])])
         result["dtypes"][dtype] = d = {
@@ -132,6 +136,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dtypes", default="bf16,float32")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--logs", type=Path, help="check: copy each server's log into this folder")
     args = ap.parse_args(argv)
     reference(args) if args.what == "reference" else check(args)
 
