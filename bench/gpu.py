@@ -51,9 +51,8 @@ from encoder import LayerNorm2d  # noqa: E402
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "float32": torch.float32}
 
 
-# the compiled variants of few-row steps by mode suffix (none: both in place, inductor's defaults):
-# (Linear.in_place, MoE.in_place) and inductor options for the run, e.g. {"coordinate_descent_tuning": True}
-VARIANTS = {"gemm": ((False, True), {}), "grouped": ((False, False), {})}
+# the compiled variants of few-row steps: (Linear.in_place, MoE.in_place) by mode suffix (none: both in place)
+IN_PLACE = {"gemm": (False, True), "grouped": (False, False)}
 
 
 def log(*a) -> None:
@@ -123,17 +122,15 @@ def percentile(xs: list[float], q: float) -> float:
 @torch.inference_mode()
 def bench_decode(decoder, c: int, prompt_len: int, new_tokens: int, graphs: bool, device, seed: int,
                  profile: Path | None = None, compile: bool = False, label: str = "", alone: bool = False,
-                 in_place: tuple[bool, bool] = (True, True), inductor: dict | None = None) -> tuple[dict, list]:
+                 in_place: tuple[bool, bool] = (True, True)) -> tuple[dict, list]:
     """c sequences of prompt_len random embeddings, prefilled together, then new_tokens each (`alone`: only
     the first of them, in the same c slots). With `profile`, the last few steps run under torch.profiler
-    (untimed) and its table is appended there. `in_place`: (Linear.in_place, MoE.in_place) for this run;
-    `inductor`: torch._inductor.config options while it runs (the compile happens in its first steps)."""
+    (untimed) and its table is appended there. `in_place`: (Linear.in_place, MoE.in_place) for this run."""
     if compile:
         torch._dynamo.reset()  # each compiled run compiles afresh: no variant inherits another's graphs or recompile count
     Linear.in_place, MoE.in_place = in_place
     try:
-        with torch._inductor.config.patch(**(inductor or {})):
-            return _bench_decode(decoder, c, prompt_len, new_tokens, graphs, device, seed, profile, compile, label, alone)
+        return _bench_decode(decoder, c, prompt_len, new_tokens, graphs, device, seed, profile, compile, label, alone)
     finally:
         Linear.in_place = MoE.in_place = True
 
@@ -288,7 +285,7 @@ def main(argv=None) -> None:
               "encode": {}, "decode": {"eager": {}, "eager_again": {}, "cuda_graph": {} if device.type == "cuda" else None,
                                        compiled_mode: {} if compiled else None,
                                        **{f"{compiled_mode}_{v}": {} if any(c <= in_place_rows for c in compiled) else None
-                                          for v in VARIANTS}},
+                                          for v in IN_PLACE}},
               "tokens_vs_eager": {}, "skipped": []}
     save = lambda: args.out.write_text(json.dumps(result) + "\n") if args.out else None
     save()
@@ -302,13 +299,11 @@ def main(argv=None) -> None:
         modes = ["eager", "eager_again"] + (["cuda_graph"] if device.type == "cuda" else []) + ([compiled_mode] if c in compiled else [])
         if c in compiled and c <= in_place_rows:
             # few rows: compiled steps compute projections as fused reductions and read each row's experts in
-            # place; the same with GEMM calls for the projections, with those and the grouped GEMMs, and
-            # in place with tuned reductions
-            modes += [f"{compiled_mode}_{v}" for v in VARIANTS]
+            # place; the same with GEMM calls for the projections, and with those and the grouped GEMMs
+            modes += [f"{compiled_mode}_{v}" for v in IN_PLACE]
         if args.deterministic and c > 1:
             modes += [m + "_alone" for m in modes if m in ("eager", "cuda_graph")]
         for mode in modes:
-            variant = VARIANTS.get(mode.rsplit("_", 1)[-1], ((True, True), {}))
             if over():
                 result["skipped"].append(f"decode {mode} {c}")
                 continue
@@ -318,7 +313,7 @@ def main(argv=None) -> None:
                                                                              device, seed=0 if args.deterministic else c, profile=args.profile,
                                                                              compile=mode.startswith(compiled_mode), label=mode,
                                                                              alone=mode.endswith("_alone"),
-                                                                             in_place=variant[0], inductor=variant[1])
+                                                                             in_place=IN_PLACE.get(mode.rsplit("_", 1)[-1], (True, True)))
             except Exception as e:  # noqa: BLE001 - on a first GPU, one failing mode must not hide the others
                 log(f"decode {mode} concurrency {c} failed: {type(e).__name__}: {e}")
                 result["decode"].setdefault(mode, {})[str(c)] = {"error": f"{type(e).__name__}: {e}"}
