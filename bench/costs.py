@@ -4,7 +4,10 @@ of the batching ratio that bench/throughput.py measures end to end.
     .venv/bin/python bench/costs.py          # ~1 minute on the 2-core box; medians of interleaved rounds
 
 Prints: the prompt's decoder inputs (quantizer decompressor), a prefill of 1, 2 and 4 prompts, a decode
-step at 1 and 16 rows (~400 positions), the repetition rule per sequence and token, and a small GEMM
+step at 1 and 16 rows (~400 positions), the same steps with the attention over the cache left out
+(timing only: what reading the cached keys and values costs a step), then that reading alone (16 rows,
+~420 positions, every layer) with fp32 and bf16 keys/values against the box's memory bandwidth (a sum
+over 400 MB), the repetition rule per sequence and token, and a small GEMM
 from the thread that owns the process's only OpenMP team against one from a second thread once another
 team exists (the engine keeps every torch op on its one worker thread because of the latter).
 """
@@ -17,6 +20,7 @@ from collections import Counter
 
 import torch
 
+import decoder
 from pages import PageSpec, PageStream, load_corpus, split_documents
 from pipeline import load_pipeline
 
@@ -28,6 +32,62 @@ def median_ms(fn, n: int) -> float:
         fn()
         ts.append(time.perf_counter() - t)
     return 1e3 * statistics.median(ts)
+
+
+decoder_attention_forward = decoder.Attention.forward
+
+
+def without_cache_reads(attention: decoder.Attention, x, cos, sin, cache=None, layer=0, rows=None, positions=None,
+                        mask=None):
+    """Attention.forward of a decode step with the attention over the cache left out: projections, RoPE
+    and the cache write as usual, then v in place of the attention's output. For timing only."""
+    if mask is None:
+        return decoder_attention_forward(attention, x, cos, sin, cache, layer, rows, positions, mask)
+    B, T, H = x.shape
+    q, k, v = (p(x).view(B, T, attention.heads, -1).transpose(1, 2)
+               for p in (attention.q_proj, attention.k_proj, attention.v_proj))
+    q, k = decoder.rope(q, cos, sin), decoder.rope(k, cos, sin)
+    cache.write(layer, rows, positions, k, v)
+    return attention.o_proj(v.transpose(1, 2).reshape(B, T, H))
+
+
+def median_step_ms(gen, n: int, read_cache: bool = True) -> float:
+    decoder.Attention.forward = decoder_attention_forward if read_cache else without_cache_reads
+    try:
+        return median_ms(gen.step, n)
+    finally:
+        decoder.Attention.forward = decoder_attention_forward
+
+
+def cache_reads(pipe, rows: int = 16, positions: int = 420) -> None:
+    """A decode step's attention over the cache alone, as Attention.forward computes it, over keys/values
+    laid out as KVCache lays them out, against how fast this box streams memory."""
+    cfg = pipe.model.decoder.cfg
+    layers, heads, d = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim
+    q = torch.randn(rows, heads, 1, d)
+    mask = torch.ones(rows, 1, 1, positions, dtype=torch.bool)
+    size = 2 * layers * rows * heads * positions * d
+
+    def attend(k, v):
+        for layer in range(layers):
+            ck, cv = k[layer, :rows, :, :positions], v[layer, :rows, :, :positions]
+            scores = (q.to(ck.dtype) @ ck.transpose(-1, -2)) * d ** -0.5
+            scores.masked_fill(~mask, float("-inf")).softmax(-1) @ cv
+
+    cells = []
+    for dtype in (torch.float32, torch.bfloat16):
+        k, v = (torch.randn(layers, rows, heads, positions + 1, d).to(dtype) for _ in range(2))
+        attend(k, v)
+        ms = median_ms(lambda: attend(k, v), 30)
+        cells.append(f"{str(dtype)[6:]} {ms:.2f} ms ({size * k.element_size() / ms / 1e6:.1f} GB/s)")
+    big = torch.randn(100_000_000)
+    for threads in (1, torch.get_num_threads()):
+        with_threads = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        big.sum()
+        cells.append(f"sum over 400 MB on {threads} thread(s) {4e8 / median_ms(big.sum, 5) / 1e6:.1f} GB/s")
+        torch.set_num_threads(with_threads)
+    print(f"attention over the cache alone ({rows} rows, {positions} positions, {layers} layers): " + ", ".join(cells))
 
 
 def main(rounds: int = 3) -> None:
@@ -44,7 +104,7 @@ def main(rounds: int = 3) -> None:
     steppers = {}
     for rows in (1, 16):  # fixed batches ~400 positions long, the rule off: only the step is timed
         g = steppers[rows] = pipe.new_generator(16)
-        g.rule = None
+        g.rule, g.eos_id = None, -1  # every row runs every step
         g.add(inputs[:rows], [4000] * rows)
         for _ in range(110):
             g.step()
@@ -52,9 +112,11 @@ def main(rounds: int = 3) -> None:
     for r in range(rounds):
         cells = [f"decode_inputs {median_ms(lambda: pipe.decode_inputs(codes[0], 'free'), 10):.1f} ms"]
         cells += [f"prefill {k} {median_ms(lambda: prefill(k), 8):.1f} ms" for k in (1, 2, 4)]
-        cells += [f"step {rows} rows {median_ms(steppers[rows].step, 15):.2f} ms" for rows in (1, 16)]
+        cells += [f"step {rows} rows {median_step_ms(steppers[rows], 15):.2f} ms "
+                  f"({median_step_ms(steppers[rows], 15, read_cache=False):.2f} without reading the cache)" for rows in (1, 16)]
         print(", ".join(cells), flush=True)
 
+    cache_reads(pipe)
     rule, seqs, n = pipe.rule, gen.generate(inputs, [512] * 16), 0
     t0 = time.perf_counter()
     for s in seqs:  # replayed: the rule's three calls per token, as Generator._choose makes them
