@@ -188,14 +188,18 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:  # one new token per row against its slot's cached prefix (row i is slot i: a view, no gather)
             L = mask.shape[-1]
-            ck, cv = cache.k[layer, :B, :, :L], cache.v[layer, :B, :, :L]
-            if q.device.type == "cpu" and q.dtype == torch.float32:
-                # plain matmuls: for a single query token torch's CPU flash kernel is ~5x slower
-                scores = (q @ ck.transpose(-1, -2)) * q.shape[-1] ** -0.5
-                out = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ cv
-            else:
-                out = F.scaled_dot_product_attention(q, ck, cv, attn_mask=mask)
+            out = attend_cached(q, cache.k[layer, :B, :, :L], cache.v[layer, :B, :, :L], mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, H))
+
+
+def attend_cached(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """A decode step's attention: one query per row [B,h,1,d] over its cached keys/values [B,h,L,d], where
+    mask [B,1,1,L] says which positions the row has reached."""
+    if q.device.type == "cpu" and q.dtype == torch.float32:
+        # plain matmuls: for a single query token torch's CPU flash kernel is ~5x slower
+        scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class MLP(nn.Module):

@@ -5,8 +5,8 @@ of the batching ratio that bench/throughput.py measures end to end.
 
 Prints: the prompt's decoder inputs (quantizer decompressor), a prefill of 1, 2 and 4 prompts, a decode
 step at 1 and 16 rows (~400 positions), the same steps with the attention over the cache left out
-(timing only: what reading the cached keys and values costs a step), then that reading alone (16 rows,
-~420 positions, every layer) with fp32 and bf16 keys/values against the box's memory bandwidth (a sum
+(timing only: what reading the cached keys and values costs a step), then that attention alone (16 rows,
+~420 positions, every layer) with fp32 keys/values and with bf16 ones, against the box's memory bandwidth (a sum
 over 400 MB), the repetition rule per sequence and token, and a small GEMM
 from the thread that owns the process's only OpenMP team against one from a second thread once another
 team exists (the engine keeps every torch op on its one worker thread because of the latter).
@@ -34,34 +34,22 @@ def median_ms(fn, n: int) -> float:
     return 1e3 * statistics.median(ts)
 
 
-decoder_attention_forward = decoder.Attention.forward
-
-
-def without_cache_reads(attention: decoder.Attention, x, cos, sin, cache=None, layer=0, rows=None, positions=None,
-                        mask=None):
-    """Attention.forward of a decode step with the attention over the cache left out: projections, RoPE
-    and the cache write as usual, then v in place of the attention's output. For timing only."""
-    if mask is None:
-        return decoder_attention_forward(attention, x, cos, sin, cache, layer, rows, positions, mask)
-    B, T, H = x.shape
-    q, k, v = (p(x).view(B, T, attention.heads, -1).transpose(1, 2)
-               for p in (attention.q_proj, attention.k_proj, attention.v_proj))
-    q, k = decoder.rope(q, cos, sin), decoder.rope(k, cos, sin)
-    cache.write(layer, rows, positions, k, v)
-    return attention.o_proj(v.transpose(1, 2).reshape(B, T, H))
-
-
 def median_step_ms(gen, n: int, read_cache: bool = True) -> float:
-    decoder.Attention.forward = decoder_attention_forward if read_cache else without_cache_reads
+    """A step's median time; without `read_cache` each layer skips its attention over the cache (the query
+    stands in for its output: projections, RoPE and the cache write still run). For timing only."""
+    attend_cached = decoder.attend_cached
+    if not read_cache:
+        decoder.attend_cached = lambda q, k, v, mask: q
     try:
         return median_ms(gen.step, n)
     finally:
-        decoder.Attention.forward = decoder_attention_forward
+        decoder.attend_cached = attend_cached
 
 
 def cache_reads(pipe, rows: int = 16, positions: int = 420) -> None:
-    """A decode step's attention over the cache alone, as Attention.forward computes it, over keys/values
-    laid out as KVCache lays them out, against how fast this box streams memory."""
+    """A decode step's attention over the cache alone (decoder.attend_cached over keys/values laid out as
+    KVCache lays them out), in fp32 and as a bf16 cache would run it, against how fast this box streams
+    memory."""
     cfg = pipe.model.decoder.cfg
     layers, heads, d = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim
     q = torch.randn(rows, heads, 1, d)
@@ -70,9 +58,7 @@ def cache_reads(pipe, rows: int = 16, positions: int = 420) -> None:
 
     def attend(k, v):
         for layer in range(layers):
-            ck, cv = k[layer, :rows, :, :positions], v[layer, :rows, :, :positions]
-            scores = (q.to(ck.dtype) @ ck.transpose(-1, -2)) * d ** -0.5
-            scores.masked_fill(~mask, float("-inf")).softmax(-1) @ cv
+            decoder.attend_cached(q.to(k.dtype), k[layer, :, :, :positions], v[layer, :, :, :positions], mask)
 
     cells = []
     for dtype in (torch.float32, torch.bfloat16):
@@ -80,13 +66,14 @@ def cache_reads(pipe, rows: int = 16, positions: int = 420) -> None:
         attend(k, v)
         ms = median_ms(lambda: attend(k, v), 30)
         cells.append(f"{str(dtype)[6:]} {ms:.2f} ms ({size * k.element_size() / ms / 1e6:.1f} GB/s)")
-    big = torch.randn(100_000_000)
-    for threads in (1, torch.get_num_threads()):
-        with_threads = torch.get_num_threads()
+    big, threads = torch.randn(100_000_000), torch.get_num_threads()
+    try:
+        for n in (1, threads):
+            torch.set_num_threads(n)
+            big.sum()
+            cells.append(f"sum over 400 MB on {n} thread(s) {4e8 / median_ms(big.sum, 5) / 1e6:.1f} GB/s")
+    finally:
         torch.set_num_threads(threads)
-        big.sum()
-        cells.append(f"sum over 400 MB on {threads} thread(s) {4e8 / median_ms(big.sum, 5) / 1e6:.1f} GB/s")
-        torch.set_num_threads(with_threads)
     print(f"attention over the cache alone ({rows} rows, {positions} positions, {layers} layers): " + ", ".join(cells))
 
 
