@@ -9,7 +9,6 @@ from decoder import Generator, RepetitionRule
 from encoder import make_view, views_to_tensor
 from losses import order_targets, reading_prompt
 from metrics import cer, wer
-from pages import CHARSET
 
 
 def pixels_of(pages, mode: str) -> torch.Tensor:
@@ -27,7 +26,7 @@ def read_pages(model: OCRModel, embeds: list[torch.Tensor], max_tokens: int = 25
     return [model.detokenize(s.tokens) for s in gen.generate(inputs, [max_tokens] * len(inputs))]
 
 
-def evaluate(model: OCRModel, pages, mode: str, batch: int = 16, quantizer=None) -> dict:
+def evaluate(model: OCRModel, pages, mode: str, batch: int = 16, quantizer=None, max_tokens: int = 256) -> dict:
     """CER/WER of greedy reading, uncompressed or through the quantizer's codes."""
     hyps = []
     for i in range(0, len(pages), batch):
@@ -36,20 +35,23 @@ def evaluate(model: OCRModel, pages, mode: str, batch: int = 16, quantizer=None)
         with torch.inference_mode():
             if quantizer is not None:
                 feats = quantizer.decode(quantizer.encode(feats))
-        hyps += read_pages(model, [model.decoder.layout_image(f) for f in feats])
+        hyps += read_pages(model, [model.decoder.layout_image(f) for f in feats], max_tokens)
     cers = [cer(h, p.text) for h, p in zip(hyps, pages)]
     return {"cer": float(np.mean(cers)), "wer": float(np.mean([wer(h, p.text) for h, p in zip(hyps, pages)])),
             "pages": len(pages), "hyps": hyps, "cers": cers}
 
 
 @torch.no_grad()
-def slot_accuracy(model: OCRModel, order_head, pages, grid: int, slots: int, bottleneck=None) -> float:
+def slot_accuracy(model: OCRModel, order_head, pages, grid: int, slots: int, bottleneck=None,
+                  charset: str | None = None) -> float:
     """Share of occupied reading-order slots the order head reads right (the encoder stage's metric),
     through the bottleneck's codes when there is one."""
     feats = model.encoder.encode_images([p.image for p in pages], model.config["ocr_latent"]["mode"])
     if bottleneck is not None:
         feats = bottleneck.decode(bottleneck.encode(feats))
     pred = order_head(feats).reshape(*feats.shape[:2], slots, -1).argmax(-1)
-    target = torch.from_numpy(np.stack([order_targets(p, grid, slots) for p in pages]))
-    occupied = target != len(CHARSET)
+    from nano import model_charset
+    charset = charset or model_charset(model)
+    target = torch.from_numpy(np.stack([order_targets(p, grid, slots, charset) for p in pages]))
+    occupied = target != len(charset)
     return float((pred == target)[occupied].float().mean())

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from checkpoint import OCRModel, load_model
-from pages import PageSpec, PageStream, load_corpus, split_documents
+from pages import PAGE_KINDS, PageStream, load_corpus, split_documents
 
 SHARD = 512
 
@@ -34,10 +34,11 @@ def shard_size(pages: int) -> int:
     return min(SHARD, pages)
 
 
-def shard_key(model: OCRModel, seed: int, index: int, size: int) -> dict[str, str]:
+def shard_key(model: OCRModel, seed: int, index: int, size: int, kind: str = "small") -> dict[str, str]:
     from pipeline import base_fingerprint
-    return {"base_fingerprint": base_fingerprint(model), "stream_seed": str(seed), "first_page": str(index * size),
-            "pages": str(size)}
+    key = {"base_fingerprint": base_fingerprint(model), "stream_seed": str(seed), "first_page": str(index * size),
+           "pages": str(size)}
+    return key if kind == "small" else key | {"page_kind": kind}  # caches of small pages predate the field
 
 
 def shard_is_for(path: Path, key: dict[str, str]) -> bool:
@@ -49,15 +50,15 @@ def shard_is_for(path: Path, key: dict[str, str]) -> bool:
 
 
 @torch.inference_mode()
-def build(model: OCRModel, pages: int, seed: int, out: Path, batch: int = 16) -> None:
-    """Encode pages [0, pages) of the train split's stream `seed` (rounded up to whole shards); shards
-    already there for this base and stream are kept."""
+def build(model: OCRModel, pages: int, seed: int, out: Path, batch: int = 16, kind: str = "small") -> None:
+    """Encode pages [0, pages) of the train split's stream `seed` of page kind `kind` (pages.PAGE_KINDS),
+    rounded up to whole shards; shards already there for this base and stream are kept."""
     docs = split_documents(load_corpus())
-    stream = PageStream(docs["train"], PageSpec(), seed=seed)
+    stream = PageStream(docs["train"], PAGE_KINDS[kind], seed=seed)
     mode = model.config.get("ocr_latent", {}).get("mode", "base")
     out.mkdir(parents=True, exist_ok=True)
     size = shard_size(pages)
-    todo = [i for i in range(-(-pages // size)) if not shard_is_for(shard_path(out, i), shard_key(model, seed, i, size))]
+    todo = [i for i in range(-(-pages // size)) if not shard_is_for(shard_path(out, i), shard_key(model, seed, i, size, kind))]
     if not todo:
         return
     bar = tqdm(total=len(todo) * size, desc="feature cache", dynamic_ncols=True)
@@ -71,15 +72,15 @@ def build(model: OCRModel, pages: int, seed: int, out: Path, batch: int = 16) ->
         path = shard_path(out, i)
         path.with_suffix(".json").write_text(json.dumps(texts))  # texts first: a shard counts once its tensor is there
         tmp = path.with_suffix(".tmp")
-        save_file({"features": torch.cat(feats)}, str(tmp), metadata=shard_key(model, seed, i, size))
+        save_file({"features": torch.cat(feats)}, str(tmp), metadata=shard_key(model, seed, i, size, kind))
         tmp.rename(path)
     bar.close()
 
 
-def load(model: OCRModel, pages: int, seed: int, out: Path) -> tuple[torch.Tensor, list[str]]:
+def load(model: OCRModel, pages: int, seed: int, out: Path, kind: str = "small") -> tuple[torch.Tensor, list[str]]:
     """Features [pages, T, D] (bf16) of the first `pages` pages of stream `seed`, with their texts;
     the shards that are missing, or were made for other towers or pages, are encoded first."""
-    build(model, pages, seed, out)
+    build(model, pages, seed, out, kind=kind)
     size, feats, texts = shard_size(pages), [], []
     for i in range(-(-pages // size)):
         feats.append(load_file(str(shard_path(out, i)))["features"])
@@ -102,10 +103,11 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--pages", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=1000, help="page stream of the train split")
+    ap.add_argument("--kind", choices=sorted(PAGE_KINDS), default="small", help="page kind (pages.py)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    build(load_model(args.base), args.pages, args.seed, Path(args.out))
+    build(load_model(args.base), args.pages, args.seed, Path(args.out), kind=args.kind)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from checkpoint import OCRModel
 from nano import FREE_PROMPT
-from pages import CHARSET
+from pages import CHARSET, token_cell
 
 
 def reading_prompt(model: OCRModel) -> str:
@@ -47,17 +47,16 @@ def teacher_forced_logits(model: OCRModel, image_embeds: list[torch.Tensor], tex
     return model.decoder(embeds), target
 
 
-def order_targets(page, grid: int, slots: int = 6) -> np.ndarray:
+def order_targets(page, grid: int, slots: int = 6, charset: str = CHARSET) -> np.ndarray:
     """[grid*grid, slots] class ids: the characters whose centre lies in each cell, in reading
-    order (the renderer lists boxes line by line, left to right); len(CHARSET) marks an empty slot.
+    order (the renderer lists boxes line by line, left to right); len(charset) marks an empty slot.
     Unlike char_targets it tells each vision token what it shows *in order*."""
-    index = {ch: k for k, ch in enumerate(CHARSET)}
-    out = np.full((grid * grid, slots), len(CHARSET), dtype=np.int64)
+    index = {ch: k for k, ch in enumerate(charset)}
+    out = np.full((grid * grid, slots), len(charset), dtype=np.int64)
     fill = np.zeros(grid * grid, dtype=np.int64)
-    w, h = page.image.size
-    for ch, x0, y0, x1, y1 in page.char_boxes:
-        cell = min(grid - 1, int((y0 + y1) / 2 * grid / h)) * grid + min(grid - 1, int((x0 + x1) / 2 * grid / w))
-        if ch in index and fill[cell] < slots:
-            out[cell, fill[cell]] = index[ch]
+    for box in page.char_boxes:
+        cell = token_cell(page, box, grid)
+        if box[0] in index and fill[cell] < slots:
+            out[cell, fill[cell]] = index[box[0]]
             fill[cell] += 1
     return out

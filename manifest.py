@@ -8,7 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from pages import PageSpec, sources_manifest
+from pages import PageMix, PageSpec, sources_manifest
 
 ROOT = Path(__file__).resolve().parent
 
@@ -54,6 +54,12 @@ def curve_file(manifest: Path, name: str, curve) -> str:
     return str(path.relative_to(manifest.parent))
 
 
-def data_record(docs: dict, seed: int, spec: PageSpec, pages: dict) -> dict:
-    return {"generator": "pages.py (rendered with Pillow, DejaVu fonts)", "seed": seed, "page_spec": vars(spec) | {"fonts": list(spec.fonts)},
+def spec_record(spec: PageSpec | PageMix) -> dict:
+    if isinstance(spec, PageMix):
+        return {"mix": [spec_record(s) | {"weight": w} for s, w in zip(spec.specs, spec.weights)]}
+    return vars(spec) | {"fonts": list(spec.fonts), "shapes": [list(s) for s in spec.shapes]}
+
+
+def data_record(docs: dict, seed: int, spec: PageSpec | PageMix, pages: dict) -> dict:
+    return {"generator": "pages.py (rendered with Pillow, DejaVu fonts)", "seed": seed, "page_spec": spec_record(spec),
             "split_by": "document", "pages": pages, "sources": sources_manifest(docs)}

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from checkpoint import OCRModel, SpecialTokens, build_modules, init_weights, save_model
-from pages import CHARSET
+from pages import CHARSET, CHARSET_LATIN1
 
 
 SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<image>"]
@@ -19,11 +19,16 @@ SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<�
 FREE_PROMPT = "<image>\nFree OCR."
 
 
-def nano_config(vocab_size: int) -> dict:
+def nano_config(vocab_size: int, version: int = 1) -> dict:
     """A DeepSeek-OCR config.json (original layout) at nano sizes. Base mode: the 512 px page is
     letterboxed (here: scaled) to 1024 -> 16x16 tokens, each seeing 32x32 page pixels (about two
     characters of one line), the real model's 4096-code geometry (256 tokens x 16 dims). SAM uses
-    windowed attention only: global attention over 64x64 patches is too slow to train on a CPU."""
+    windowed attention only: global attention over 64x64 patches is too slow to train on a CPU.
+
+    Version 2 reads ordinary pages (1024 px, 18-40 px text: a glyph is one or two 16 px patches and
+    a token's square holds several characters of two or three lines), so its towers are wider and
+    deeper, its tokens wider before the projector, and its decoder one layer deeper with wider experts;
+    the decoder stays 256 wide, so the code geometry (256 tokens x 16 dims) is unchanged."""
     language = {
         "bos_token_id": 0, "eos_token_id": 1, "first_k_dense_replace": 1, "hidden_size": 256,
         "intermediate_size": 512, "kv_lora_rank": None, "lm_head": True, "max_position_embeddings": 8192,
@@ -31,23 +36,30 @@ def nano_config(vocab_size: int) -> dict:
         "num_attention_heads": 4, "num_experts_per_tok": 2, "num_hidden_layers": 3, "num_key_value_heads": 4,
         "q_lora_rank": None, "qk_nope_head_dim": 0, "qk_rope_head_dim": 0, "rm_head": False, "topk_group": 1,
         "topk_method": "greedy", "use_mla": False, "v_head_dim": 0, "vocab_size": vocab_size}
+    sam = {"downsample_channels": [128, 256], "global_attn_indexes": [], "heads": 2, "layers": 2, "width": 64,
+           "neck_channels": 32}
+    clip = {"heads": 4, "image_size": 224, "layers": 2, "patch_size": 14, "width": 256}
+    if version == 2:
+        language.update(num_hidden_layers=4, intermediate_size=768, moe_intermediate_size=192)
+        sam = {**sam, "downsample_channels": [256, 384], "heads": 4, "layers": 4, "width": 128, "neck_channels": 64}
+        clip = {**clip, "heads": 6, "width": 384}
     return {
-        "_name_or_path": "ocr-latent/nano", "architectures": ["DeepseekOCRForCausalLM"],
+        "_name_or_path": "ocr-latent/nano" if version == 1 else f"ocr-latent/nano-v{version}", "architectures": ["DeepseekOCRForCausalLM"],
         "candidate_resolutions": [[1024, 1024]], "global_view_pos": "head", "model_type": "deepseek_vl_v2",
         "language_config": {**language, "architectures": ["DeepseekV2ForCausalLM"], "torch_dtype": "float32"},
-        "projector_config": {"input_dim": 512, "model_type": "mlp_projector", "n_embed": 256, "projector_type": "linear"},
+        "projector_config": {"input_dim": 2 * clip["width"], "model_type": "mlp_projector", "n_embed": 256,
+                             "projector_type": "linear"},
         "tile_tag": "2D", "torch_dtype": "float32",
-        "vision_config": {"image_size": 1024, "model_name": "deeplip_b_l", "model_type": "vision", "width": {
-            "clip-l-14-224": {"heads": 4, "image_size": 224, "layers": 2, "patch_size": 14, "width": 256},
-            "sam_vit_b": {"downsample_channels": [128, 256], "global_attn_indexes": [], "heads": 2,
-                          "layers": 2, "width": 64, "neck_channels": 32}}},
+        "vision_config": {"image_size": 1024, "model_name": "deeplip_b_l", "model_type": "vision",
+                          "width": {"clip-l-14-224": clip, "sam_vit_b": sam}},
         "ocr_latent": {"mode": "base", "prompt": FREE_PROMPT}, **language}
 
 
-def char_tokenizer():
-    """Character-level tokenizer in tokenizers' format: specials, then '\\n' and printable ASCII."""
+def char_tokenizer(charset: str = CHARSET):
+    """Character-level tokenizer in tokenizers' format: specials, then '\\n' and the charset
+    (printable ASCII; version 2 adds the Latin-1 letters after them)."""
     from tokenizers import Tokenizer, decoders, models
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + ["\n"] + list(CHARSET))}
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + ["\n"] + list(charset))}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
     tok.add_special_tokens(SPECIALS)
     tok.decoder = decoders.Fuse()
@@ -61,9 +73,16 @@ def tokenizer_config(tok) -> dict:
             "pad_token": SPECIALS[2], "added_tokens_decoder": added, "tokenizer_class": "PreTrainedTokenizerFast"}
 
 
-def new_nano(seed: int) -> OCRModel:
-    tok = char_tokenizer()
-    cfg = nano_config(tok.get_vocab_size())
+def model_charset(model: OCRModel) -> str:
+    """The characters a nano tokenizer spells (one token each), in token order: what its dense
+    per-token losses classify."""
+    vocab = model.tokenizer.get_vocab()
+    return "".join(t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1]) if len(t) == 1 and t != "\n")
+
+
+def new_nano(seed: int, version: int = 1) -> OCRModel:
+    tok = char_tokenizer(CHARSET if version == 1 else CHARSET_LATIN1)
+    cfg = nano_config(tok.get_vocab_size(), version)
     encoder, decoder = build_modules(cfg, "cpu")
     init_weights(encoder, decoder, seed=seed)
     ids = {s: tok.token_to_id(s) for s in SPECIALS}

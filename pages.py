@@ -1,9 +1,11 @@
 """Rendered-page data: exact ground-truth text and character boxes on synthetic document images.
 
-A page is a short run of prose (3-6 lines of at most 30 characters) drawn with Pillow in a DejaVu
-font on a lightly tinted background, optionally degraded by mild noise, blur and JPEG. Everything
-is a pure function of a seed, so `PageStream(docs, spec, seed)[i]` is the same page on every
-machine and run; training can resume at any step and held-out pages stay fixed.
+A page is a run of prose drawn with Pillow in a DejaVu font on a tinted background, optionally
+degraded by rotation, shading, noise, blur and JPEG. `SMALL` pages (3-6 lines of at most 30
+characters on 512x512, ASCII) are what nano v1 reads; `ORDINARY` pages are what a user tries first
+(1024x1024, letter and A4 shapes, 8-24 lines of 30-70 characters at 18-40 px, Latin-1 words mixed in).
+Everything is a pure function of a seed, so `PageStream(docs, spec, seed)[i]` is the same page on
+every machine and run; training can resume at any step and held-out pages stay fixed.
 
 Text comes from the plain-text documents in `corpus/` (see corpus/SOURCES.md). Documents, not
 pages, are split into train/val/test so held-out pages never share a source text with training.
@@ -24,6 +26,27 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFilter, ImageFont
 
 CHARSET = "".join(chr(code) for code in range(ord(" "), ord("~") + 1))  # the 95 printable ASCII characters
+# the printable Latin-1 supplement (U+00A1..U+00FF) without the soft hyphen, which renders as nothing
+LATIN1 = "".join(chr(code) for code in range(0xA1, 0x100) if code != 0xAD)
+CHARSET_LATIN1 = CHARSET + LATIN1
+# Real words and names that need Latin-1 letters, mixed into the (ASCII) corpus text of some pages so
+# the towers and decoder see every such letter in plausible company; see latin1_words().
+LATIN1_WORDS = """
+über Straße Grüße Müller schön Mädchen Bär Öffnung Übung Gebäude größer fährt Käse Brücke Fußball
+Tür für Löwe Häuser Glück Gödel Dürer Köln München Zürich Düsseldorf Österreich Ärger ähnlich
+café déjà vu élève hôtel garçon français Noël naïve façade crème brûlée résumé fiancée Genève
+château forêt île où là-bas près très déçu éclair été à côté cœur Ça Québec Élise Hélène
+niño año señor mañana España jalapeño piñata corazón canción pingüino ¿Qué? ¡Olé! Málaga Córdoba
+São Paulo coração não irmã ação Lisboa João avó informação Brasília Ângela
+smørrebrød Ærø Ålesund Øresund fjørd Ångström Tromsø Göteborg Malmö Åsa Þór Ísland Reykjavík
+Þingvellir fjörður Eyjafjallajökull Færøerne Ðakovo
+perché città più caffè università Niccolò Forlì
+°C ±0.5 §12 £20 ¥300 ¢50 ©2024 ®TM µm ½ ¼ ¾ x² m³ ¹ × ÷ « » ¶ · ª º ¬ ¦ ¨ ¯ ´ ¸ ¤
+""".split()
+ACCENTED = {  # plain letter -> Latin-1 letters built on it, for accenting an ASCII word
+    "a": "àáâãäå", "e": "èéêë", "i": "ìíîï", "o": "òóôõöø", "u": "ùúûü", "y": "ýÿ", "n": "ñ", "c": "ç",
+    "A": "ÀÁÂÃÄÅ", "E": "ÈÉÊË", "I": "ÌÍÎÏ", "O": "ÒÓÔÕÖØ", "U": "ÙÚÛÜ", "Y": "Ý", "N": "Ñ", "C": "Ç",
+    "s": "ß", "d": "ð", "D": "Ð", "t": "þ", "T": "Þ"}
 FONT_DIR = "/usr/share/fonts/truetype/dejavu"
 
 
@@ -108,11 +131,42 @@ class PageSpec:
     max_blur_radius: float = 0.8
     jpeg_prob: float = 0.4
     jpeg_quality: tuple[int, int] = (60, 95)
+    # Ordinary pages. At their zero defaults nothing is drawn from the seed for them, so SMALL pages
+    # (and every held-out set of them) stay exactly what they were before these fields existed.
+    shapes: tuple[tuple[int, int], ...] = ()  # (width, height) drawn per page; () = size x size
+    max_rotation: float = 0.0  # degrees, uniform in [-max, max]
+    latin1_page_prob: float = 0.0  # share of pages with Latin-1 words mixed in ...
+    latin1_word_prob: float = 0.0  # ... and the share of their words replaced
+    shade_prob: float = 0.0  # uneven lighting: a linear brightness ramp across the page
+
+
+SMALL = PageSpec()
+ORDINARY = PageSpec(
+    size=1024, shapes=((1024, 1024), (816, 1056), (794, 1123)), min_lines=8, max_lines=24,
+    min_chars_per_line=30, max_chars_per_line=70,
+    fonts=("DejaVuSans.ttf", "DejaVuSans-Bold.ttf", "DejaVuSerif.ttf", "DejaVuSerif-Bold.ttf",
+           "DejaVuSansCondensed.ttf", "DejaVuSansCondensed-Bold.ttf", "DejaVuSerifCondensed.ttf",
+           "DejaVuSerifCondensed-Bold.ttf"),
+    min_font_size=18, max_font_size=40, min_margin=24, max_margin=120, paper_tint=25,
+    max_rotation=1.5, latin1_page_prob=0.3, latin1_word_prob=0.12, shade_prob=0.3)
+SMALL_LATIN1 = PageSpec(latin1_page_prob=0.3, latin1_word_prob=0.12)
+
+
+@dataclass(frozen=True)
+class PageMix:
+    """Several page kinds in one stream: each page's kind is drawn with these weights."""
+    specs: tuple[PageSpec, ...]
+    weights: tuple[float, ...]
+
+
+# What nano v2 trains on: mostly ordinary pages, and today's small pages so that it keeps reading them.
+NANO2_PAGES = PageMix((ORDINARY, SMALL_LATIN1), (0.85, 0.15))
+PAGE_KINDS = {"small": SMALL, "ordinary": ORDINARY, "nano2": NANO2_PAGES}  # by the name a command line gives
 
 
 @dataclass
 class Page:
-    image: Image.Image  # RGB, size x size
+    image: Image.Image  # RGB, size x size (or one of spec.shapes)
     text: str  # exact ground truth: lines joined with "\n"
     lines: list[str]
     char_boxes: list[tuple[str, int, int, int, int]]  # (char, x0, y0, x1, y1) for every non-space char
@@ -140,12 +194,31 @@ def _take_lines(words: list[str], n_lines: int, width: int, rng: random.Random) 
     return textwrap.wrap(span, width, break_long_words=True)[:n_lines]
 
 
+def latin1_words(words: list[str], share: float, rng: random.Random) -> list[str]:
+    """`words` with about `share` of them replaced: mostly by a real Latin-1 word, else by the same
+    word with one letter accented (so every Latin-1 letter turns up, not only those of the list)."""
+    out = []
+    for word in words:
+        if rng.random() >= share:
+            out.append(word)
+        elif rng.random() < 0.7:
+            out.append(rng.choice(LATIN1_WORDS))
+        else:
+            spots = [i for i, ch in enumerate(word) if ch in ACCENTED]
+            i = rng.choice(spots) if spots else None
+            out.append(word[:i] + rng.choice(ACCENTED[word[i]]) + word[i + 1:] if spots else word + rng.choice(LATIN1))
+    return out
+
+
 def render_page(rng_or_seed: random.Random | int | str, document_text: str,
                 spec: PageSpec = PageSpec(), source: str = "") -> Page:
     """Render a random contiguous span of `document_text` as one page."""
     rng = rng_or_seed if isinstance(rng_or_seed, random.Random) else random.Random(rng_or_seed)
     words = document_text.split()
-    avail = spec.size - 2 * spec.min_margin
+    if spec.latin1_page_prob and rng.random() < spec.latin1_page_prob:
+        words = latin1_words(words, spec.latin1_word_prob, rng)
+    page_w, page_h = rng.choice(spec.shapes) if spec.shapes else (spec.size, spec.size)
+    avail_w, avail_h = page_w - 2 * spec.min_margin, page_h - 2 * spec.min_margin
     tries = 20
     for attempt in range(tries):  # retry with a new span when one is too wide even at min font size
         # ...and on the last try accept a smaller font rather than fail (e.g. an all-capitals text).
@@ -163,25 +236,25 @@ def render_page(rng_or_seed: random.Random | int | str, document_text: str,
             return f, max(f.getbbox(line)[2] for line in lines), pitch * (len(lines) - 1) + ascent + descent, pitch
 
         font, width, height, pitch = measure()
-        while width > avail and font_size > smallest_size:
+        while width > avail_w and font_size > smallest_size:
             font_size -= 1
             font, width, height, pitch = measure()
-        while height > avail and len(lines) > spec.min_lines:
+        while height > avail_h and len(lines) > spec.min_lines:
             lines.pop()
             font, width, height, pitch = measure()
-        if len(lines) >= spec.min_lines and width <= avail and height <= avail:
+        if len(lines) >= spec.min_lines and width <= avail_w and height <= avail_h:
             break
     else:
-        raise ValueError(f"could not fit {source or 'document'} text on a {spec.size}px page")
+        raise ValueError(f"could not fit {source or 'document'} text on a {page_w}x{page_h}px page")
 
-    left = rng.randint(spec.min_margin, min(spec.max_margin, spec.size - spec.min_margin - width))
-    top = rng.randint(spec.min_margin, min(spec.max_margin, spec.size - spec.min_margin - height))
+    left = rng.randint(spec.min_margin, min(spec.max_margin, page_w - spec.min_margin - width))
+    top = rng.randint(spec.min_margin, min(spec.max_margin, page_h - spec.min_margin - height))
     grey = rng.randint(0, spec.max_ink_grey)
     ink = tuple(min(255, max(0, grey + rng.randint(-spec.ink_tint, spec.ink_tint))) for _ in range(3))
     paper = rng.randint(spec.min_paper_grey, 255)
     background = tuple(paper - rng.randint(0, spec.paper_tint) for _ in range(3))
 
-    image = Image.new("RGB", (spec.size, spec.size), background)
+    image = Image.new("RGB", (page_w, page_h), background)
     draw = ImageDraw.Draw(image)
     boxes = []
     for row, line in enumerate(lines):
@@ -194,18 +267,49 @@ def render_page(rng_or_seed: random.Random | int | str, document_text: str,
             origin = left + font.getlength(line[:i + 1]) - font.getlength(ch)
             bx0, by0, bx1, by1 = font.getbbox(ch)
             boxes.append((ch, max(0, math.floor(origin + bx0)), max(0, y + by0),
-                          min(spec.size, math.ceil(origin + bx1)), min(spec.size, y + by1)))
+                          min(page_w, math.ceil(origin + bx1)), min(page_h, y + by1)))
 
     applied = []
+    if spec.max_rotation:
+        angle = rng.uniform(-spec.max_rotation, spec.max_rotation)
+        image, boxes = _rotate(image, boxes, angle, background)
+        applied.append(f"rotate {angle:+.2f}")
     if spec.augment:
-        image, applied = _augment(image, spec, rng)
+        image, more = _augment(image, spec, rng)
+        applied += more
     return Page(image, "\n".join(lines), lines, boxes, Path(font_name).stem, font_size, source,
                 ink, background, applied)
+
+
+def _rotate(image: Image.Image, boxes: list, angle: float, fill) -> tuple[Image.Image, list]:
+    """The page turned `angle` degrees counter-clockwise about its centre (a sheet slightly askew
+    under a camera), and each character box replaced by the box around its turned corners."""
+    w, h = image.size
+    cx, cy, a = w / 2, h / 2, math.radians(angle)
+    cos, sin = math.cos(a), math.sin(a)
+
+    def turn(x, y):  # image y points down, so a counter-clockwise turn is this matrix
+        return cx + (x - cx) * cos + (y - cy) * sin, cy - (x - cx) * sin + (y - cy) * cos
+
+    turned = []
+    for ch, x0, y0, x1, y1 in boxes:
+        xs, ys = zip(*(turn(x, y) for x, y in ((x0, y0), (x1, y0), (x0, y1), (x1, y1))))
+        turned.append((ch, max(0, math.floor(min(xs))), max(0, math.floor(min(ys))),
+                       min(w, math.ceil(max(xs))), min(h, math.ceil(max(ys)))))
+    return image.rotate(angle, Image.Resampling.BICUBIC, fillcolor=fill), turned
 
 
 def _augment(image: Image.Image, spec: PageSpec, rng: random.Random) -> tuple[Image.Image, list[str]]:
     # Order follows a camera/scanner pipeline: optics blur, then sensor noise, then compression.
     applied = []
+    if spec.shade_prob and rng.random() < spec.shade_prob:
+        w, h = image.size
+        direction, depth = rng.uniform(0, 2 * math.pi), rng.uniform(0.08, 0.25)
+        yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
+        ramp = (xx / w - 0.5) * math.cos(direction) + (yy / h - 0.5) * math.sin(direction)  # -0.7..0.7
+        gain = 1.0 - depth * (ramp - ramp.min()) / max(1e-6, float(ramp.max() - ramp.min()))
+        image = Image.fromarray(np.clip(np.asarray(image, np.float32) * gain[..., None], 0, 255).astype(np.uint8), "RGB")
+        applied.append("shade")
     if rng.random() < spec.blur_prob:
         image = image.filter(ImageFilter.GaussianBlur(rng.uniform(0.3, spec.max_blur_radius)))
         applied.append("blur")
@@ -229,7 +333,7 @@ class PageStream:
     over-repeated, yet one long text does not crowd out the rest of a small (val/test) split.
     Infinite unless `length` is given (e.g. a fixed benchmark set)."""
 
-    def __init__(self, documents: list[Document], spec: PageSpec = PageSpec(), seed: int = 0,
+    def __init__(self, documents: list[Document], spec: PageSpec | PageMix = PageSpec(), seed: int = 0,
                  length: int | None = None):
         if not documents:
             raise ValueError("PageStream needs at least one document")
@@ -242,7 +346,8 @@ class PageStream:
             raise IndexError(index)
         rng = random.Random(f"pages:{self.seed}:{index}")  # str seeds hash via SHA-512: stable across runs
         doc = rng.choices(self.documents, weights=self._weights)[0]
-        return render_page(rng, doc.text, self.spec, source=doc.name)
+        spec = rng.choices(self.spec.specs, weights=self.spec.weights)[0] if isinstance(self.spec, PageMix) else self.spec
+        return render_page(rng, doc.text, spec, source=doc.name)
 
     def __len__(self) -> int:
         if self.length is None:
@@ -256,25 +361,34 @@ class PageStream:
             index += 1
 
 
+def token_cell(page: Page, box: tuple, grid: int) -> int:
+    """The vision token (row-major, of grid x grid) whose square of the letterboxed view holds the
+    centre of a character box: base mode scales the page to fit its view and centres it."""
+    _, x0, y0, x1, y1 = box
+    w, h = page.image.size
+    scale = 1.0 / max(w, h)  # page pixels -> view fractions
+    x = ((x0 + x1) / 2 + (max(w, h) - w) / 2) * scale
+    y = ((y0 + y1) / 2 + (max(w, h) - h) / 2) * scale
+    return min(grid - 1, int(y * grid)) * grid + min(grid - 1, int(x * grid))
+
+
 def char_targets(page: Page, grid: int, charset: str = CHARSET) -> np.ndarray:
     """Multi-hot [grid*grid, len(charset)] float32: cell (row-major) is 1 for each character whose
     box centre lies in it. A dense auxiliary target telling each vision token what it sees."""
-    width, height = page.image.size
     index = {ch: k for k, ch in enumerate(charset)}
     targets = np.zeros((grid * grid, len(charset)), dtype=np.float32)
-    for ch, x0, y0, x1, y1 in page.char_boxes:
-        if ch in index:
-            col = min(grid - 1, int((x0 + x1) / 2 * grid / width))
-            row = min(grid - 1, int((y0 + y1) / 2 * grid / height))
-            targets[row * grid + col, index[ch]] = 1.0
+    for box in page.char_boxes:
+        if box[0] in index:
+            targets[token_cell(page, box, grid), index[box[0]]] = 1.0
     return targets
 
 
-if __name__ == "__main__":  # python pages.py [N] : write N sample pages of the test split to /tmp
+if __name__ == "__main__":  # python pages.py [N] [small|ordinary] : write N sample test-split pages to /tmp
     import sys
 
     count = int(sys.argv[1]) if len(sys.argv) > 1 else 3
-    stream = PageStream(split_documents(load_corpus())["test"], seed=0)
+    kind = {"small": SMALL, "ordinary": ORDINARY}[sys.argv[2] if len(sys.argv) > 2 else "small"]
+    stream = PageStream(split_documents(load_corpus())["test"], kind, seed=0)
     for i in range(count):
         page = stream[i]
         page.image.save(f"/tmp/pages_sample_{i}.png")

@@ -32,8 +32,8 @@ from encoder import MODES
 from evaluation import evaluate, pixels_of, slot_accuracy
 from losses import order_targets, teacher_forced_loss
 from manifest import ROOT, curve_file, data_record, update_manifest
-from nano import new_nano, save_run
-from pages import CHARSET, PageSpec, PageStream, char_targets, load_corpus, split_documents
+from nano import model_charset, new_nano, save_run
+from pages import PAGE_KINDS, PageSpec, PageStream, char_targets, load_corpus, split_documents
 
 # ----------------------------------------------------------------------------- base training
 @torch.no_grad()
@@ -126,8 +126,10 @@ class BaseTraining:
         torch.manual_seed(args.seed)
         self.args, self.out, self.stage = args, Path(args.out), args.stage
         self.docs = split_documents(load_corpus())
+        self.kind = PAGE_KINDS[args.pages]
         self.model, state, self.meta = self.load_or_start()
         model, stage = self.model, self.stage
+        self.charset = model_charset(model)
         self.train_encoder, self.train_decoder = stage in ("joint", "encoder"), stage in ("joint", "decoder")
         model.encoder.train(self.train_encoder), model.decoder.train(self.train_decoder)
         D = model.decoder.cfg.hidden_size
@@ -135,7 +137,7 @@ class BaseTraining:
         # layer (a linear head on 16 dims can only give rank-16 logits for 6 slots x 100 classes)
         head = lambda n: (torch.nn.Sequential(torch.nn.Linear(D, args.head_hidden), torch.nn.GELU(), torch.nn.Linear(args.head_hidden, n))
                           if args.head_hidden else torch.nn.Linear(D, n))
-        self.aux_head, self.order_head = head(len(CHARSET)), head(args.order_slots * (len(CHARSET) + 1))
+        self.aux_head, self.order_head = head(len(self.charset)), head(args.order_slots * (len(self.charset) + 1))
         for name, module in (("aux", self.aux_head), ("order", self.order_head)):
             if own := prefixed(state, name):
                 module.load_state_dict(own)
@@ -147,10 +149,11 @@ class BaseTraining:
         for i, p in enumerate(self.params):  # parameters that never got a gradient (CLIP's unused patch conv) have none
             if f"opt.{i}.step" in state:
                 self.opt.state[p] = {k: state[f"opt.{i}.{k}"] for k in ("step", "exp_avg", "exp_avg_sq")}
-        self.val_pages = list(PageStream(self.docs["val"], PageSpec(augment=False), seed=1, length=args.val_pages))
+        val_kind = PageSpec(augment=False) if args.pages == "small" else self.kind  # the first runs' validation pages
+        self.val_pages = list(PageStream(self.docs["val"], val_kind, seed=1, length=args.val_pages))
         if stage == "decoder":
             self.cached, self.cached_texts = features.load(model, args.cache_pages, cache_stream_seed(args.seed),
-                                                           self.out / "features")
+                                                           self.out / "features", kind=args.pages)
             if self.bottleneck_needs_pca:
                 self.bottleneck.init_from_pca(self.cached[:256].float())
                 self.bottleneck_needs_pca = False
@@ -166,8 +169,8 @@ class BaseTraining:
             return load_model(out), load_file(str(out / "train_state.safetensors")), meta
         if args.init:
             return load_model(args.init), {}, {"step": 0, "curve": [], "init": args.init}
-        model, meta = new_nano(args.seed), {"step": 0, "curve": []}
-        calib = PageStream(self.docs["train"], PageSpec(), seed=args.seed + 1)
+        model, meta = new_nano(args.seed, args.nano_version), {"step": 0, "curve": []}
+        calib = PageStream(self.docs["train"], self.kind, seed=args.seed + 1)
         scale = calibrate_projector(model, [calib[i] for i in range(32)], model.config["ocr_latent"]["mode"])
         meta["projector_calibration"] = f"output centred and divided by {scale:.2f}"
         return model, {}, meta
@@ -202,7 +205,7 @@ class BaseTraining:
 
     def page_batch(self, step: int):
         args = self.args
-        stream = PageStream(self.docs["train"], curriculum(step, args.curriculum) if self.stage == "joint" else PageSpec(),
+        stream = PageStream(self.docs["train"], curriculum(step, args.curriculum) if self.stage == "joint" else self.kind,
                             seed=args.seed)
         pages = [stream[step * args.batch + i] for i in range(args.batch)]
         return pages, pixels_of(pages, self.mode)
@@ -241,12 +244,14 @@ class BaseTraining:
                 text = teacher_forced_loss(model, [model.decoder.layout_image(f) for f in feats], texts, args.token_dropout)
                 loss, row["text_loss"] = loss + text, round(text.item(), 4)
             if self.train_encoder:
-                aux_target = torch.from_numpy(np.stack([char_targets(p, self.grid) for p in pages]))
+                aux_target = torch.from_numpy(np.stack([char_targets(p, self.grid, self.charset) for p in pages]))
                 aux = F.binary_cross_entropy_with_logits(self.aux_head(feats).float(), aux_target)
                 loss, row["aux_loss"] = loss + args.aux_weight * aux, round(aux.item(), 4)
             if self.use_order:
-                order_target = torch.from_numpy(np.stack([order_targets(p, self.grid, args.order_slots) for p in pages]))
-                order_loss = F.cross_entropy(self.order_head(feats).float().reshape(-1, len(CHARSET) + 1), order_target.flatten())
+                order_target = torch.from_numpy(np.stack([order_targets(p, self.grid, args.order_slots, self.charset)
+                                                          for p in pages]))
+                order_loss = F.cross_entropy(self.order_head(feats).float().reshape(-1, len(self.charset) + 1),
+                                             order_target.flatten())
                 loss, row["order_loss"] = loss + args.order_weight * order_loss, round(order_loss.item(), 4)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -257,19 +262,20 @@ class BaseTraining:
     def evaluate(self) -> dict:
         """Validation CER (what the export reads: the bottleneck folded in, uncompressed and through its
         codes) and the order head's slot accuracy."""
-        model, bottleneck, row = self.model, self.bottleneck, {}
+        args, model, bottleneck, row = self.args, self.model, self.bottleneck, {}
         model.encoder.eval(), model.decoder.eval()
         if self.train_decoder:
             reader = model
             if bottleneck:
                 reader = copy.deepcopy(model)
                 fold_bottleneck(reader, bottleneck)
-            row["val_cer"] = round(evaluate(reader, self.val_pages, self.mode)["cer"], 4)
+            row["val_cer"] = round(evaluate(reader, self.val_pages, self.mode, max_tokens=args.max_tokens)["cer"], 4)
             if bottleneck:
-                row["val_cer_codes"] = round(evaluate(reader, self.val_pages, self.mode, quantizer=bottleneck)["cer"], 4)
+                row["val_cer_codes"] = round(evaluate(reader, self.val_pages, self.mode, quantizer=bottleneck,
+                                                      max_tokens=args.max_tokens)["cer"], 4)
         if self.use_order:
             row["val_slot_acc"] = round(slot_accuracy(model, self.order_head, self.val_pages, self.grid,
-                                                      self.args.order_slots, bottleneck), 4)
+                                                      args.order_slots, bottleneck, self.charset), 4)
         model.encoder.train(self.train_encoder), model.decoder.train(self.train_decoder)
         return row
 
@@ -399,6 +405,10 @@ def main(argv=None) -> None:
     b.add_argument("--bottleneck-rounded", type=float, default=0.5, help="share of samples read through the rounded codes")
     b.add_argument("--levels", type=int, default=16)
     b.add_argument("--head-hidden", type=int, default=0, help="encoder stage: hidden width of the dense-loss heads (0: linear)")
+    b.add_argument("--pages", choices=sorted(PAGE_KINDS), default="small", help="page kind trained and validated on "
+                   "(pages.py: small = nano v1's 512 px pages; nano2 = ordinary pages with some small ones)")
+    b.add_argument("--nano-version", type=int, choices=[1, 2], default=1, help="sizes of a model started from scratch (nano.py)")
+    b.add_argument("--max-tokens", type=int, default=256, help="longest validation reading")
     b.add_argument("--bf16", action="store_true", help="bf16 autocast (CPUs with avx512_bf16/AMX)")
     b.add_argument("--threads", type=int, default=1)
     e = sub.add_parser("export", help="copy a training run's model to a servable directory")
