@@ -19,9 +19,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from architecture import DTYPE_NAMES
-from decoder import Decoder, DecoderConfig, RMSNorm
-from encoder import DeepEncoder, LayerNorm2d, VisionConfig
+from ocr_latent.architecture import DTYPE_NAMES
+from ocr_latent.decoder import Decoder, DecoderConfig, RMSNorm
+from ocr_latent.encoder import DeepEncoder, LayerNorm2d, VisionConfig
 
 ENCODER_PREFIXES = ("model.sam_model.", "model.vision_model.", "model.projector.")
 EXPERT_KEY = re.compile(r"(layers\.\d+\.mlp\.)experts\.(\d+)\.(gate|up|down)_proj\.weight$")

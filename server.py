@@ -41,12 +41,12 @@ from starlette.datastructures import UploadFile
 from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from architecture import BITS_PER_CODE, MAX_LEVEL, NUM_CODES, PACKED_BYTES, PROMPTS
-from codesfile import FINGERPRINT, MEDIA_TYPE as CODES_MEDIA_TYPE, CodesFile, CodesFileError, pack, unpack
-from documents import DocumentError, looks_like_pdf, render_pdf
-from engine import (Cancelled, DeadlineExceeded, DecodeResult, Engine, EngineConfig, EngineError, Job,
+from ocr_latent.architecture import BITS_PER_CODE, MAX_LEVEL, NUM_CODES, PACKED_BYTES, PROMPTS
+from ocr_latent.client.codesfile import FINGERPRINT, MEDIA_TYPE as CODES_MEDIA_TYPE, CodesFile, CodesFileError, pack, unpack
+from ocr_latent.serving.documents import DocumentError, looks_like_pdf, render_pdf
+from ocr_latent.serving.engine import (Cancelled, DeadlineExceeded, DecodeResult, Engine, EngineConfig, EngineError, Job,
                     Loading, Overloaded, Unavailable, env_number, env_text)
-from telemetry import Metrics
+from ocr_latent.serving.telemetry import Metrics
 
 log = logging.getLogger("ocr_latent.server")
 
@@ -313,7 +313,7 @@ def open_image(data: bytes, max_pixels: int) -> Image.Image:
     """Bytes -> RGB image (EXIF orientation applied). The pixel count is checked from the header
     before the pixels are decoded: 413 over `max_pixels`, 415 for anything that is not a
     supported image (any decoder failure on bad bytes is the client's fault, never a 5xx)."""
-    from encoder import load_image
+    from ocr_latent.encoder import load_image
     Image.init()
     try:
         image = Image.open(io.BytesIO(data), formats=[f for f in IMAGE_FORMATS if f in Image.OPEN])

@@ -4,16 +4,16 @@
   python train.py export --run runs/nano --to weights/nano     # original-layout checkpoint
   python train.py quantizer --base weights/nano --steps 600    # -> weights/nano/quantizer.safetensors
 
-The entry point. The nano model is defined in nano.py, the losses in losses.py, evaluation in
-evaluation.py, feature caches in features.py, the manifest in manifest.py; the quantizer's training
-in quantizer_training.py. This module holds the base's staged training and its export.
+The entry point. The nano model is defined in training/nano.py, the losses in training/losses.py, evaluation in
+training/evaluation.py, feature caches in training/features.py, the manifest in training/manifest.py; the
+quantizer's training
+in training/quantizer_trainer.py. This module holds the base's staged training and its export.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import json
-import math
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,14 +26,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-import features
-from checkpoint import OCRModel, file_sha256, load_model
-from encoder import MODES
-from evaluation import evaluate, pixels_of, slot_accuracy
-from losses import order_targets, teacher_forced_loss
-from manifest import ROOT, curve_file, data_record, update_manifest
-from nano import model_charset, new_nano, save_run
-from pages import PAGE_KINDS, PageSpec, PageStream, char_targets, load_corpus, split_documents
+from ocr_latent.training import features, quantizer_trainer
+from ocr_latent.checkpoint import OCRModel, file_sha256, load_model
+from ocr_latent.training.evaluation import evaluate, pixels_of, slot_accuracy
+from ocr_latent.training.losses import order_targets, teacher_forced_loss
+from ocr_latent.training.manifest import ROOT, curve_file, data_record, update_manifest
+from ocr_latent.training.nano import model_charset, new_nano, save_run
+from ocr_latent.training.recipe import code_fsq, cosine_to_tenth
+from ocr_latent.training.pages import PAGE_KINDS, PageSpec, PageStream, char_targets, load_corpus, split_documents, test_pages
 
 # ----------------------------------------------------------------------------- base training
 @torch.no_grad()
@@ -60,20 +60,6 @@ def fold_bottleneck(model: OCRModel, fsq) -> None:
     proj = w_out @ torch.linalg.pinv(w_out)
     layer.bias.copy_(proj @ (layer.bias.float() - b_out) + b_out)
     layer.weight.copy_(proj @ layer.weight.float())
-
-
-def code_geometry(model: OCRModel, mode: str, levels: int) -> tuple[int, int, list[int]]:
-    """This base's code geometry: (embedding width, tokens: one per 64x64 pixels of the mode's view,
-    the levels of each of the NUM_CODES // tokens dimensions a token gets)."""
-    from architecture import NUM_CODES
-    tokens = (MODES[mode][0] // 64) ** 2
-    return model.decoder.cfg.hidden_size, tokens, [levels] * (NUM_CODES // tokens)
-
-
-def code_fsq(model: OCRModel, mode: str, levels: int, hidden: int = 0):
-    """A per-token FSQ with this base's code geometry."""
-    from quantizer import FSQ
-    return FSQ(*code_geometry(model, mode, levels), hidden)
 
 
 def prefixed(state: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
@@ -109,11 +95,6 @@ def curriculum(step: int, every: int) -> PageSpec:
 def cache_stream_seed(seed: int) -> int:
     """PageStream seed of the feature cache of a run with --seed `seed` (kept apart from its batches)."""
     return seed + 7
-
-
-def cosine_to_tenth(frac: float) -> float:
-    """Learning-rate factor: cosine from 1 to 0.1 as `frac` goes from 0 to 1."""
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
 
 
 class BaseTraining:
@@ -345,7 +326,7 @@ def export_base(args) -> None:
                                                   "start a quantizer from it with train.py quantizer --init PATH"})
     save_run(model, to)
     docs = split_documents(load_corpus())
-    val = evaluate(model, list(PageStream(docs["test"], PageSpec(augment=False), seed=2, length=args.test_pages)),
+    val = evaluate(model, list(test_pages(args.test_pages, seed=2)),
                    model.config["ocr_latent"]["mode"])
     # A staged run starts from another run (--init): record every stage back to the first, and the
     # manifest record of an exported model it started from, since runs/ is not kept.
@@ -377,7 +358,6 @@ def export_base(args) -> None:
 
 
 def main(argv=None) -> None:
-    import quantizer_training  # it builds on this module's losses and evaluation
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("base", help="train the nano base model from scratch (resumable)")
@@ -418,11 +398,11 @@ def main(argv=None) -> None:
     e.add_argument("--threads", type=int, default=1)
     e.add_argument("--manifest", default=str(ROOT / "training_manifest.json"))
     q = sub.add_parser("quantizer", help="train the quantizer of a frozen base (resumable)")
-    quantizer_training.add_arguments(q)
+    quantizer_trainer.add_arguments(q)
     q.add_argument("--manifest", default=str(ROOT / "training_manifest.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    {"base": train_base, "export": export_base, "quantizer": quantizer_training.train_quantizer}[args.cmd](args)
+    {"base": train_base, "export": export_base, "quantizer": quantizer_trainer.train_quantizer}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,9 @@ from collections import Counter
 
 import torch
 
-import decoder
-from pages import PageSpec, PageStream, load_corpus, split_documents
-from pipeline import load_pipeline
+from ocr_latent import decoder
+from ocr_latent.training.pages import test_pages
+from ocr_latent.serving.pipeline import load_pipeline
 
 
 def median_ms(fn, n: int) -> float:
@@ -79,7 +79,7 @@ def cache_reads(pipe, rows: int = 16, positions: int = 420) -> None:
 
 def main(rounds: int = 3) -> None:
     pipe = load_pipeline()
-    stream = PageStream(split_documents(load_corpus())["test"], PageSpec(augment=False), seed=2)
+    stream = test_pages(seed=2)
     codes = pipe.encode([stream[i].image for i in range(16)])
     inputs = [pipe.decode_inputs(c, "free") for c in codes]
     gen = pipe.new_generator(16)

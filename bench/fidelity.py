@@ -24,19 +24,19 @@ import numpy as np
 import torch
 from PIL import Image
 
-from pages import PageSpec, PageStream, load_corpus, split_documents
-from architecture import BITS_PER_CODE, NUM_CODES
-from pipeline import load_pipeline
-from quantizer import code_usage
-from metrics import cer, wer
-from evaluation import read_pages
+from ocr_latent.training.pages import PageSpec, test_pages
+from ocr_latent.architecture import BITS_PER_CODE, NUM_CODES
+from ocr_latent.serving.pipeline import load_pipeline
+from ocr_latent.quantizer import code_usage
+from ocr_latent.training.reading_metrics import cer, wer
+from ocr_latent.training.evaluation import read_pages
 
 
-def test_pages(args) -> list[tuple[Image.Image, str]]:
+def pages_to_read(args) -> list[tuple[Image.Image, str]]:
     if args.pages_dir:
         files = sorted(f for f in Path(args.pages_dir).iterdir() if f.with_suffix(".txt").exists() and f.suffix != ".txt")
         return [(Image.open(f), f.with_suffix(".txt").read_text().strip()) for f in files[: args.pages]]
-    stream = PageStream(split_documents(load_corpus())["test"], PageSpec(augment=args.augment), seed=args.seed)
+    stream = test_pages(seed=args.seed, spec=PageSpec(augment=args.augment))
     return [(p.image, p.text) for p in (stream[i] for i in range(args.pages))]
 
 
@@ -92,7 +92,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prefill-dtype", help="the prompts' precision (default: what the server uses on this CPU)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    pages = test_pages(args)
+    pages = pages_to_read(args)
     refs = [t for _, t in pages]
     pipe = load_pipeline(args.base, args.quantizer, prefill_dtype=args.prefill_dtype)
     chars = np.mean([len(t) for t in refs])

@@ -42,11 +42,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from checkpoint import OCRModel, SpecialTokens, build_modules, save_model  # noqa: E402
-from decoder import Generator, Linear, MoE, RMSNorm, grouped_mm_works, set_deterministic  # noqa: E402
-from encoder import LayerNorm2d  # noqa: E402
+from ocr_latent.checkpoint import OCRModel, SpecialTokens, build_modules, save_model
+from ocr_latent.decoder import Generator, Linear, MoE, RMSNorm, grouped_mm_works, set_deterministic
+from ocr_latent.encoder import LayerNorm2d
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "float32": torch.float32}
 
@@ -179,7 +178,7 @@ def _bench_decode(decoder, c, prompt_len, new_tokens, graphs, device, seed, prof
 READY = """
 import json, logging, sys, time
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-from engine import Engine, EngineConfig
+from ocr_latent.serving.engine import Engine, EngineConfig
 engine = Engine(EngineConfig.from_env()).start()
 engine.wait_ready(float(sys.argv[1]))
 print(json.dumps({"ready": engine.ready, "failed": engine.failed}))
@@ -190,9 +189,9 @@ def time_to_healthy(encoder, decoder, cfg: dict, device, dtype, timeout_s: float
     """The random model as a checkpoint on disk, and a fresh process timed from its start to a ready engine."""
     nano = ROOT / "weights" / "nano"
     from tokenizers import Tokenizer
-    from pipeline import base_fingerprint
-    from quantizer import FSQ
-    from architecture import ARCHITECTURE
+    from ocr_latent.serving.pipeline import base_fingerprint
+    from ocr_latent.quantizer import FSQ
+    from ocr_latent.architecture import ARCHITECTURE
     work = Path(tempfile.mkdtemp(prefix="ocr-latent-gpu-bench-"))
     try:
         t = time.perf_counter()

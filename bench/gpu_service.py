@@ -18,7 +18,6 @@ import base64
 import json
 import os
 import shutil
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,11 +26,10 @@ import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from codesfile import unpack  # noqa: E402
-from metrics import cer  # noqa: E402
-from throughput import start_server, stop_server  # noqa: E402
+from ocr_latent.client.codesfile import unpack
+from ocr_latent.training.reading_metrics import cer
+from throughput import start_server, stop_server
 
 
 def read_all(url: str, pages: list[bytes], references: dict | None, concurrency: int, max_tokens: int) -> dict:
@@ -64,9 +62,9 @@ def load_pages(folder: Path) -> tuple[list[bytes], list[str]]:
 
 def reference(args) -> None:
     import io
-    from pages import PageSpec, PageStream, load_corpus, split_documents
+    from ocr_latent.training.pages import test_pages
     args.dir.mkdir(parents=True, exist_ok=True)
-    stream = PageStream(split_documents(load_corpus())["test"], PageSpec(augment=False), seed=args.seed)
+    stream = test_pages(seed=args.seed)
     for i in range(args.pages):
         page, buf = stream[i], io.BytesIO()
         page.image.save(buf, "PNG")
@@ -131,7 +129,7 @@ def main(argv=None) -> None:
     ap.add_argument("what", choices=["reference", "check"])
     ap.add_argument("dir", type=Path)
     ap.add_argument("--pages", type=int, default=32)
-    ap.add_argument("--seed", type=int, default=2, help="PageStream seed (test split, no augmentation)")
+    ap.add_argument("--seed", type=int, default=2, help="test_pages seed (test split, no augmentation)")
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--dtypes", default="bf16,float32")
     ap.add_argument("--device", default="cuda")

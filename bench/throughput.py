@@ -37,7 +37,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from pages import PageSpec, PageStream, load_corpus, split_documents
+from ocr_latent.training.pages import test_pages
 
 
 def free_port() -> int:
@@ -99,7 +99,7 @@ def main(argv=None) -> None:
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--decode-concurrency", default="1,4,16")
     ap.add_argument("--encode-concurrency", default="1,16")
-    ap.add_argument("--seed", type=int, default=2, help="PageStream seed (test split, no augmentation)")
+    ap.add_argument("--seed", type=int, default=2, help="test_pages seed (test split, no augmentation)")
     ap.add_argument("--url", help="benchmark a running server instead of starting one")
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat the decode levels in turn (1, 4, 16, 1, 4, 16, ...) and pool them: on a machine whose "
@@ -108,7 +108,7 @@ def main(argv=None) -> None:
     dec_levels = [int(x) for x in args.decode_concurrency.split(",")]
     enc_levels = [int(x) for x in args.encode_concurrency.split(",")]
 
-    stream = PageStream(split_documents(load_corpus())["test"], PageSpec(augment=False), seed=args.seed)
+    stream = test_pages(seed=args.seed)
     payloads = []
     for i in range(args.n):
         buf = io.BytesIO()

@@ -7,15 +7,12 @@
 import argparse
 import io
 import json
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pages import PageSpec, PageStream, load_corpus, split_documents  # noqa: E402
+from ocr_latent.training.pages import test_pages
 
 ap = argparse.ArgumentParser()
 ap.add_argument("url")
@@ -23,8 +20,7 @@ ap.add_argument("--pages", type=int, default=32)
 ap.add_argument("--clients", type=int, default=16)
 ap.add_argument("--max-tokens", type=int, default=48)
 args = ap.parse_args()
-stream = PageStream(split_documents(load_corpus(Path(__file__).resolve().parents[1] / "corpus"))["test"],
-                    PageSpec(augment=False), seed=3)
+stream = test_pages(seed=3)
 bodies = []
 for i in range(args.pages):
     buf = io.BytesIO()

@@ -6,7 +6,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 
-from checkpoint import build_modules, init_weights
+from ocr_latent.checkpoint import build_modules, init_weights
 
 
 def needs_shared(*parts: str) -> Path:

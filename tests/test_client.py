@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from client import ApiError, Client, Unreachable
-from codesfile import HEADER, MEDIA_TYPE, CodesFile, CodesFileError
-from documents import DocumentError, parse_pages
-from metrics import cer
-from pages import PageSpec, PageStream, load_corpus, split_documents
+from ocr_latent.client import ApiError, Client, Unreachable
+from ocr_latent.client.codesfile import HEADER, MEDIA_TYPE, CodesFile, CodesFileError
+from ocr_latent.serving.documents import DocumentError, parse_pages
+from ocr_latent.training.reading_metrics import cer
+from ocr_latent.training.pages import test_pages
 from test_server import assert_error, free_port, metric, png_bytes, serving
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,7 +89,7 @@ def fingerprint(http) -> str:
 
 @pytest.fixture(scope="module")
 def pages():
-    stream = PageStream(split_documents(load_corpus())["test"], PageSpec(augment=False), seed=7)
+    stream = test_pages(seed=7)
     return [stream[i] for i in range(4)]
 
 
@@ -227,7 +227,7 @@ def test_a_client_that_leaves_a_stream_stops_its_work(tmp_path):
 # ----------------------------------------------------------------------------- client and CLI
 def ocr_latent(*args: str, input: bytes | None = None) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).parent / "ocr-latent"  # the console script setup.sh installs
-    cmd = [str(exe)] if exe.exists() else [sys.executable, str(ROOT / "cli.py")]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "ocr_latent.client.cli"]
     return subprocess.run([*cmd, *args], input=input, capture_output=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "OCR_LATENT_URL": "", "OCR_LATENT_API_KEY": ""})
 
@@ -295,8 +295,9 @@ def test_client_api(server, pages):
 
 def test_the_client_and_the_command_do_not_load_torch():
     # `ocr-latent decode` starts in well under a second instead of ~3 s
-    code = "import sys, cli, client, codesfile; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    code = ("import sys; from ocr_latent.client import Client, cli, codesfile, http_client; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
 

@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-import decoder as decoder_module
-from checkpoint import build_modules
+from ocr_latent import decoder as decoder_module
+from ocr_latent.checkpoint import build_modules
 from conftest import ROOT, small_config
-from decoder import DecoderConfig, Generator, RepetitionRule, rope_table, set_deterministic
+from ocr_latent.decoder import DecoderConfig, Generator, RepetitionRule, rope_table, set_deterministic
 
 
 def _prompts(decoder, lengths, seed=0):
@@ -269,7 +269,7 @@ def test_gpu_bench_tiny_runs_and_prints_its_json():
 def test_the_grouped_gemm_is_trusted_on_cuda_only_where_it_is_one_kernel(monkeypatch):
     """Elsewhere torch loops over the groups with their offsets on the host, which a graph cannot capture
     (fp32 on an H200 failed so, before this check)."""
-    from decoder import grouped_mm_works
+    from ocr_latent.decoder import grouped_mm_works
     monkeypatch.setattr(decoder_module, "_GROUPED", {})
     assert grouped_mm_works(torch.device("cpu"), torch.float32)
 
@@ -302,10 +302,10 @@ REFERENCE = ROOT / "tests" / "data" / "reading-reference.json"
 def read_reference_pages(pages: int = 32) -> list[list[int]]:
     """The tokens the embedded model reads from held-out pages through their codes, as the service does:
     two waves of 16 in one generator, fp32 prompts (bf16 ones would depend on this CPU's instructions)."""
-    from pages import PageSpec, PageStream, load_corpus, split_documents
-    from pipeline import load_pipeline
+    from ocr_latent.training.pages import test_pages
+    from ocr_latent.serving.pipeline import load_pipeline
     pipe = load_pipeline(prefill_dtype="float32")
-    stream = PageStream(split_documents(load_corpus())["test"], PageSpec(augment=False), seed=2)
+    stream = test_pages(seed=2)
     codes = pipe.encode([stream[i].image for i in range(pages)])
     gen, out = pipe.new_generator(16), []
     for i in range(0, pages, 16):

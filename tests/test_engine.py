@@ -7,19 +7,19 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from engine import DecodeResult, Engine, EngineConfig, Overloaded, Unavailable
-from metrics import cer
-from pages import PageSpec, PageStream, load_corpus, split_documents
+from ocr_latent.serving.engine import DecodeResult, Engine, EngineConfig, Overloaded, Unavailable
+from ocr_latent.training.reading_metrics import cer
+from ocr_latent.training.pages import test_pages
 
 
 @pytest.fixture(scope="module")
 def pages():
-    stream = PageStream(split_documents(load_corpus())["test"], PageSpec(augment=False), seed=2)
+    stream = test_pages(seed=2)
     return [stream[i] for i in range(3)]
 
 
 def test_importing_the_engine_pulls_in_no_web_framework():
-    code = "import engine, sys; print(sorted(m for m in ('fastapi', 'starlette', 'uvicorn') if m in sys.modules))"
+    code = "import sys; from ocr_latent.serving import engine; print(sorted(m for m in ('fastapi', 'starlette', 'uvicorn') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -74,7 +74,7 @@ def byte_level_tokenizer():
 
 
 def test_streamed_pieces_join_into_the_text_even_across_split_characters():
-    from engine import TextStream
+    from ocr_latent.serving.engine import TextStream
     tok = byte_level_tokenizer()
     text = "  Größe: 漢字 and  spaces\n\ttabs — the page  "
     ids = tok.encode(text).ids

@@ -10,12 +10,12 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-import parity
-from checkpoint import CheckpointError, OCRModel, SpecialTokens, build_modules, checkpoint_state, load_model, save_model
+from ocr_latent.training import parity
+from ocr_latent.checkpoint import CheckpointError, OCRModel, SpecialTokens, build_modules, checkpoint_state, load_model, save_model
 from conftest import ROOT, needs_shared, small_config
-from decoder import Generator, RepetitionRule
-from encoder import MODES, make_view, view_to_tensor
-from quantizer import FSQ, pack, unpack
+from ocr_latent.decoder import Generator, RepetitionRule
+from ocr_latent.encoder import MODES, make_view, view_to_tensor
+from ocr_latent.quantizer import FSQ, pack, unpack
 
 
 # ----------------------------------------------------------------------------- parity with the original code
@@ -210,7 +210,7 @@ def test_a_decoder_stuck_on_one_token_ends_with_repetition(small_modules):
 
 
 def test_grouped_expert_gemm_equals_a_gemm_per_expert():
-    from decoder import grouped_mm, per_group_mm
+    from ocr_latent.decoder import grouped_mm, per_group_mm
     x, w = torch.randn(40, 16), torch.randn(5, 24, 16)
     offsets = torch.tensor([6, 6, 20, 33, 40], dtype=torch.int32)  # expert 1 gets no token
     ref = torch.cat([x[0:6] @ w[0].T, x[6:20] @ w[2].T, x[20:33] @ w[3].T, x[33:40] @ w[4].T])
@@ -301,7 +301,7 @@ def test_fsq_gradients_reach_the_projections_and_pca_start_fits():
 
 
 def test_pinned_weights_are_verified_by_size_then_sha256(tmp_path):
-    from checkpoint import file_sha256, verify_pin
+    from ocr_latent.checkpoint import file_sha256, verify_pin
     weights = tmp_path / "model-00001-of-000001.safetensors"
     weights.write_bytes(b"not the real checkpoint")
     pin = json.loads((ROOT / "architecture.json").read_text())["base_model"]["pin"]
@@ -371,16 +371,16 @@ def test_fsq_with_mlps_starts_as_the_linear_one_and_reloads(tmp_path):
 def test_the_embedded_default_serves_in_bf16_and_its_quantizer_still_names_it():
     """The nano files are fp32; a GPU server loads them in bf16 (its default there). The quantizer
     names its base by the stored values, so it accepts the bf16 load, and the bf16 model reads."""
-    from pages import PageSpec, PageStream, load_corpus, split_documents
-    from pipeline import base_fingerprint, load_pipeline
-    from metrics import cer
+    from ocr_latent.training.pages import test_pages
+    from ocr_latent.serving.pipeline import base_fingerprint, load_pipeline
+    from ocr_latent.training.reading_metrics import cer
     nano = ROOT / "weights" / "nano"
     signed = json.loads((nano / "quantizer.json").read_text())["base_fingerprint"]
     pipe = load_pipeline(None, None, "cpu", "bf16")
     model = pipe.model
     assert model.encoder.projector.layers.weight.dtype == torch.bfloat16
     assert base_fingerprint(model) == base_fingerprint(load_model(nano)) == signed
-    stream = PageStream(split_documents(load_corpus())["test"], PageSpec(augment=False), seed=2)
+    stream = test_pages(seed=2)
     pages = [stream[i] for i in range(3)]
     codes = pipe.encode([p.image for p in pages])
     seqs = pipe.new_generator(3).generate([pipe.decode_inputs(c, "free") for c in codes], [200] * 3)
@@ -394,13 +394,13 @@ def test_the_embedded_default_serves_in_bf16_and_its_quantizer_still_names_it():
 def test_bf16_prompts_into_the_fp32_cache_read_alike_alone_or_together():
     """PREFILL_DTYPE=bf16 on an fp32 model: a bf16 copy of the decoder prefills, fp32 steps go on from
     its keys and values. Each page reads the same alone as among others, and reads its text."""
-    from pages import PageSpec, PageStream, load_corpus, split_documents
-    from pipeline import load_pipeline
-    from metrics import cer
+    from ocr_latent.training.pages import test_pages
+    from ocr_latent.serving.pipeline import load_pipeline
+    from ocr_latent.training.reading_metrics import cer
     pipe = load_pipeline(None, None, "cpu", "float32", "bf16")
     assert pipe.prefill_decoder.lm_head.weight.dtype == torch.bfloat16
     assert pipe.model.decoder.lm_head.weight.dtype == torch.float32
-    stream = PageStream(split_documents(load_corpus())["test"], PageSpec(augment=False), seed=2)
+    stream = test_pages(seed=2)
     pages = [stream[i] for i in range(4)]
     inputs = [pipe.decode_inputs(c, "free") for c in pipe.encode([p.image for p in pages])]
     gen = pipe.new_generator(4)

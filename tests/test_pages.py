@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import pages
+from ocr_latent.training import pages
 
 CLEAN = dataclasses.replace(pages.PageSpec(), augment=False)
 
@@ -29,7 +29,7 @@ def test_charset_is_printable_ascii():
 def test_corpus_is_big_ascii_and_hashed(docs):
     assert len(docs) >= 20
     assert sum(len(d.text) for d in docs) >= 300_000
-    root = Path(pages.__file__).resolve().parent / "corpus"
+    root = pages.ROOT / "corpus"
     for d in docs:
         assert d.sha256 == hashlib.sha256((root / f"{d.name}.txt").read_bytes()).hexdigest()
         assert set(d.text) <= set(pages.CHARSET) | {"\n"}

@@ -8,12 +8,12 @@ import httpx
 import pytest
 import torch
 
-import quantizer_training
-import train
-from checkpoint import load_model
+from ocr_latent.training import quantizer_trainer as quantizer_training
+from ocr_latent import train
+from ocr_latent.checkpoint import load_model
 from conftest import ROOT, needs_shared
-from pages import PageSpec, PageStream, load_corpus, split_documents
-from quantizer import FSQ, CrossTokenFSQ, ScalarCodes, code_usage
+from ocr_latent.training.pages import PageSpec, PageStream, load_corpus, split_documents
+from ocr_latent.quantizer import FSQ, CrossTokenFSQ, ScalarCodes, code_usage
 
 NANO = ROOT / "weights" / "nano"
 
@@ -95,7 +95,7 @@ def quantizer_args(tmp_path, steps: int, *extra: str) -> list[str]:
 
 def test_quantizer_training_leaves_every_base_tensor_bit_identical(tmp_path):
     weights = NANO / "model-00001-of-000001.safetensors"
-    from checkpoint import file_sha256
+    from ocr_latent.checkpoint import file_sha256
     file_before, tensors_before = file_sha256(weights), quantizer_training.base_digest(load_model(NANO))
     out = tmp_path / "q" / "quantizer.safetensors"
     train.main(quantizer_args(tmp_path, 4, "--out", str(out)))
@@ -141,7 +141,7 @@ def parity_with_tokenizer(tmp_path):
     """The parity checkpoint (original format, random weights, no tokenizer) beside a character-level
     tokenizer that keeps the real model's special-token ids (from the real tokenizer_config.json)."""
     from tokenizers import Tokenizer, decoders, models
-    from pages import CHARSET
+    from ocr_latent.training.pages import CHARSET
     parity, real_tc = needs_shared("parity"), needs_shared("deepseek-ocr", "tokenizer_config.json")
     d = tmp_path / "parity-base"
     d.mkdir()
@@ -204,7 +204,7 @@ def test_the_default_is_a_full_rank_frozen_base_with_a_cross_token_quantizer_tra
     """The embedded default is the honest stand-in for DeepSeek-OCR: its projector has full rank (never
     trained through a bottleneck), and its quantizer crosses tokens and was trained with exactly these
     base tensors frozen (the manifest's digest is the digest of the files that ship)."""
-    from checkpoint import file_sha256
+    from ocr_latent.checkpoint import file_sha256
     model = load_model(NANO)
     s = torch.linalg.svdvals(model.encoder.projector.layers.weight.detach().double())
     assert int((s > 1e-3 * s[0]).sum()) == min(model.encoder.projector.layers.weight.shape)

@@ -24,7 +24,7 @@ import httpx
 import pytest
 import pyarrow.parquet as pq
 
-from pages import PageSpec, PageStream, load_corpus, split_documents
+from ocr_latent.training.pages import test_pages
 from test_server import ROOT, Server, free_port, png_bytes
 
 SHORT = 48  # max_tokens where many decodes run: the same prefix of the text, and a bounded test time
@@ -43,7 +43,7 @@ class RayServer(Server):
         full_env.pop("RAY_ADDRESS", None)
         self.log_file = open(self.log_path, "w")
         self.started = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "ray_serve.py"], cwd=ROOT, env=full_env, stdout=self.log_file,
+        self.proc = subprocess.Popen([sys.executable, "-m", "ocr_latent.serving.ray_serve"], cwd=ROOT, env=full_env, stdout=self.log_file,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         self.health_history, self.startup_s = [], None
 
@@ -116,7 +116,7 @@ def clients(servers):
 
 @pytest.fixture(scope="module")
 def images():
-    stream = PageStream(split_documents(load_corpus())["test"], PageSpec(augment=False), seed=3)
+    stream = test_pages(seed=3)
     return [stream[i].image for i in range(40)]
 
 

@@ -34,9 +34,9 @@ from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from pages import PageSpec, PageStream, load_corpus, split_documents
-from quantizer import unpack
-from metrics import cer
+from ocr_latent.training.pages import test_pages
+from ocr_latent.quantizer import unpack
+from ocr_latent.training.reading_metrics import cer
 
 NUM_CODES = 4096
 BODY_LIMIT, PIXEL_LIMIT = 1_000_000, 1_000_000
@@ -129,9 +129,9 @@ def client(server):
 def looping_model(tmp_path_factory) -> Path:
     """The nano architecture with random weights (init_weights, seed 0) and the nano quantizer re-signed
     for it: an original-layout directory for MODEL_DIR/QUANTIZER."""
-    from checkpoint import init_weights, load_model, save_model
-    from pipeline import base_fingerprint
-    from quantizer import FSQ
+    from ocr_latent.checkpoint import init_weights, load_model, save_model
+    from ocr_latent.serving.pipeline import base_fingerprint
+    from ocr_latent.quantizer import FSQ
     src, out = ROOT / "weights" / "nano", tmp_path_factory.mktemp("looper")
     model = load_model(src)
     init_weights(model.encoder, model.decoder, seed=0)
@@ -146,8 +146,8 @@ def looping_model(tmp_path_factory) -> Path:
 
 # ----------------------------------------------------------------------------- data
 @pytest.fixture(scope="module")
-def test_pages():
-    stream = PageStream(split_documents(load_corpus())["test"], PageSpec(augment=False), seed=2)
+def held_out():
+    stream = test_pages(seed=2)
     return [stream[i] for i in range(16)]
 
 
@@ -222,8 +222,8 @@ def test_openapi_and_metrics(client):
 
 
 # ----------------------------------------------------------------------------- encode / decode
-def test_round_trip(client, test_pages):
-    page = test_pages[0]
+def test_round_trip(client, held_out):
+    page = held_out[0]
     data = png_bytes(page.image)
     enc = encode(client, page.image)
     codes = enc["codes"]
@@ -250,14 +250,14 @@ def test_round_trip(client, test_pages):
     assert client.post("/decode", json={"codes": codes, "prompt": "free", "max_tokens": 400}).json() == by_codes
 
 
-def test_round_trip_reads_held_out_pages(client, test_pages):
+def test_round_trip_reads_held_out_pages(client, held_out):
     """The served default really reads: 16 held-out test pages (text never seen in training) through
     /encode -> 2 KiB codes -> /decode come back close to their own text, and far closer to it than
     to the other pages' text (a language prior alone would be equally far from all of them)."""
     with ThreadPoolExecutor(16) as pool:
-        codes = list(pool.map(lambda p: encode(client, p.image)["codes"], test_pages))
+        codes = list(pool.map(lambda p: encode(client, p.image)["codes"], held_out))
         texts = [r["text"] for r in pool.map(lambda c: decode(client, c, 400), codes)]
-    truth = [p.text for p in test_pages]
+    truth = [p.text for p in held_out]
     own = [cer(t, ref) for t, ref in zip(texts, truth)]
     others = [sum(cer(t, ref) for j, ref in enumerate(truth) if j != i) / (len(truth) - 1) for i, t in enumerate(texts)]
     mean_own = sum(own) / len(own)
@@ -266,8 +266,8 @@ def test_round_trip_reads_held_out_pages(client, test_pages):
     assert mean_own < 0.75 * sum(others) / len(others)
 
 
-def test_image_formats_and_modes(client, test_pages):
-    image = test_pages[1].image
+def test_image_formats_and_modes(client, held_out):
+    image = held_out[1].image
     codes = encode(client, image)["codes"]
     for fmt, kw in (("BMP", {}), ("TIFF", {}), ("WEBP", {"lossless": True})):
         r = client.post("/encode", files={"image": ("page", png_bytes(image, fmt, **kw))})  # ~790 KB
@@ -286,8 +286,8 @@ def test_image_formats_and_modes(client, test_pages):
     assert client.post("/encode", json={"image": b64(png_bytes(rgba))}).status_code == 200
 
 
-def test_max_tokens_length(client, test_pages):
-    codes = encode(client, test_pages[2].image)["codes"]
+def test_max_tokens_length(client, held_out):
+    codes = encode(client, held_out[2].image)["codes"]
     for n in (1, 5):  # every page has >= 3 lines of text: no model is done after 5 characters
         out = decode(client, codes, n)
         assert out["finish_reason"] == "length" and out["num_tokens"] == n, out
@@ -298,8 +298,8 @@ def test_max_tokens_length(client, test_pages):
         assert cut["text"] == out["text"] and cut["finish_reason"] == "length"
 
 
-def test_16_concurrent_clients_get_their_own_results(client, test_pages):
-    images = [p.image for p in test_pages]
+def test_16_concurrent_clients_get_their_own_results(client, held_out):
+    images = [p.image for p in held_out]
     alone_codes = [encode(client, im)["codes"] for im in images]
     budgets = [8 + 2 * i for i in range(16)]  # different lengths: sequences join and leave at different steps
     alone_text = [decode(client, c, n) for c, n in zip(alone_codes, budgets)]
@@ -363,13 +363,13 @@ def test_bad_input(client, name, endpoint, kwargs, status):
     assert_error(client.post(endpoint, **kwargs), status)
 
 
-def test_image_limits(client, test_pages):
+def test_image_limits(client, held_out):
     big = Image.new("RGB", (1100, 1000), "white")  # 1.1 MP, a tiny file: the header is enough to refuse it
     err = assert_error(client.post("/encode", json={"image": b64(png_bytes(big))}), 413)
     assert "MAX_IMAGE_PIXELS" in err["message"]
     bomb = Image.new("1", (1600, 1600))  # > 2x the limit: Pillow's DecompressionBombError itself
     assert_error(client.post("/encode", files={"image": ("bomb.png", png_bytes(bomb), "image/png")}), 413)
-    truncated = png_bytes(test_pages[0].image)[:200]
+    truncated = png_bytes(held_out[0].image)[:200]
     assert_error(client.post("/encode", json={"image": b64(truncated)}), 415)
     # a body past MAX_BODY_BYTES without Content-Length (chunked) is cut off too
     chunks = (b"x" * 65536 for _ in range(BODY_LIMIT // 65536 + 2))
@@ -417,12 +417,12 @@ def test_silent_and_trickling_connections_are_closed_and_health_still_answers(tm
         srv.stop()
 
 
-def test_an_api_key_guards_the_model_and_metrics_but_not_health(tmp_path_factory, test_pages):
+def test_an_api_key_guards_the_model_and_metrics_but_not_health(tmp_path_factory, held_out):
     srv = Server(tmp_path_factory.mktemp("keyed"), "keyed", API_KEY="s3cret-key")
     try:
         srv.wait_healthy(30)
         with httpx.Client(base_url=srv.url, timeout=30) as c:
-            png = {"content": png_bytes(test_pages[0].image), "headers": {"content-type": "image/png"}}
+            png = {"content": png_bytes(held_out[0].image), "headers": {"content-type": "image/png"}}
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret-key"}):
                 r = c.post("/encode", content=png["content"], headers={**png["headers"], **headers})
                 assert r.status_code == 401 and r.json()["error"]["type"] == "unauthorized", r.text
@@ -458,19 +458,19 @@ def test_request_ids_are_returned_and_logged(tmp_path_factory):
         srv.stop()
 
 
-def test_markdown_prompt_only_when_spellable(client, test_pages):
-    codes = encode(client, test_pages[0].image)["codes"]
+def test_markdown_prompt_only_when_spellable(client, held_out):
+    codes = encode(client, held_out[0].image)["codes"]
     r = client.post("/decode", json={"codes": codes, "prompt": "markdown", "max_tokens": 3})
     assert r.status_code in (200, 422), r.text  # nano's character tokenizer cannot spell <|grounding|>
     if r.status_code == 422:
         assert "markdown" in r.json()["error"]["message"]
 
 
-def test_errors_leave_the_server_healthy(client, test_pages):
+def test_errors_leave_the_server_healthy(client, held_out):
     for name, endpoint, kwargs, status in BAD_REQUESTS:
         client.post(endpoint, **kwargs)
     assert client.get("/health").status_code == 200
-    assert encode(client, test_pages[3].image)["num_codes"] == 4096
+    assert encode(client, held_out[3].image)["num_codes"] == 4096
     text = client.get("/metrics").text
     fives = [l for l in text.splitlines() if l.startswith("ocr_latent_requests_total") and 'status="5' in l
              and 'endpoint="/health"' not in l]  # /health answered 503 while loading

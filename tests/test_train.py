@@ -6,12 +6,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import train
-from checkpoint import CheckpointError, load_model
+from ocr_latent import train
+from ocr_latent.checkpoint import CheckpointError, load_model
 from conftest import ROOT
-from pages import PageSpec, PageStream, load_corpus, split_documents
-from pipeline import load_pipeline, load_quantizer
-from quantizer import FSQ
+from ocr_latent.training.pages import PageSpec, PageStream, load_corpus, split_documents, test_pages
+from ocr_latent.serving.pipeline import load_pipeline, load_quantizer
+from ocr_latent.quantizer import FSQ
 
 NANO = ROOT / "weights" / "nano"
 
@@ -73,7 +73,7 @@ def test_a_quantizer_for_another_base_is_refused_with_the_fix(tmp_path):
     model = load_model(other)
     with torch.no_grad():
         model.encoder.projector.layers.weight.mul_(1.5)  # same config, different weights
-    from checkpoint import save_model
+    from ocr_latent.checkpoint import save_model
     save_model(model, other)
     with pytest.raises(CheckpointError, match="not for the loaded base .* train a quantizer for this base"):
         load_pipeline(str(other), quantizer=str(NANO / "quantizer.safetensors"))
@@ -154,7 +154,7 @@ def test_bottleneck_stages_fold_into_the_projector_and_start_a_quantizer(tmp_pat
     fsq, _ = FSQ.load(run / "bottleneck.safetensors")
     unfolded, folded = load_model(run), load_model(exported)
     assert torch.linalg.matrix_rank(folded.encoder.projector.layers.weight) == fsq.dims == 16
-    page = PageStream(split_documents(load_corpus())["test"], PageSpec(augment=False), seed=5)[0]
+    page = test_pages(seed=5)[0]
     with torch.inference_mode():
         before, after = (m.encoder.encode_images([page.image], "base") for m in (unfolded, folded))
         assert torch.equal(fsq.encode(before), fsq.encode(after))

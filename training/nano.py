@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from checkpoint import OCRModel, SpecialTokens, build_modules, init_weights, save_model
-from pages import CHARSET, CHARSET_LATIN1
+from ocr_latent.checkpoint import OCRModel, SpecialTokens, build_modules, init_weights, save_model
+from ocr_latent.training.pages import CHARSET, CHARSET_LATIN1
 
 
 SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<image>"]

@@ -23,16 +23,16 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-import features
-from checkpoint import OCRModel, file_sha256, load_model
-from evaluation import evaluate, read_pages
-from losses import teacher_forced_logits
-from manifest import code_commit, curve_file, data_record, update_manifest
-from metrics import cer
-from pages import PageSpec, PageStream, load_corpus, split_documents
-from pipeline import base_fingerprint
-from quantizer import CrossTokenFSQ, FSQ, ScalarCodes, code_usage
-from train import code_fsq, code_geometry, cosine_to_tenth
+from ocr_latent.training import features
+from ocr_latent.checkpoint import OCRModel, file_sha256, load_model
+from ocr_latent.training.evaluation import evaluate, read_pages
+from ocr_latent.training.losses import teacher_forced_logits
+from ocr_latent.training.manifest import code_commit, curve_file, data_record, update_manifest
+from ocr_latent.training.reading_metrics import cer
+from ocr_latent.training.pages import PageSpec, PageStream, load_corpus, split_documents, test_pages
+from ocr_latent.serving.pipeline import base_fingerprint
+from ocr_latent.quantizer import CrossTokenFSQ, FSQ, ScalarCodes, code_usage
+from ocr_latent.training.recipe import code_fsq, code_geometry, cosine_to_tenth
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff")
 
@@ -49,7 +49,7 @@ def base_digest(model: OCRModel) -> str:
 
 
 def new_quantizer(args, model: OCRModel, mode: str) -> ScalarCodes:
-    """A quantizer with the base's code geometry (train.code_geometry)."""
+    """A quantizer with the base's code geometry (recipe.code_geometry)."""
     if args.kind == "cross_token":
         return CrossTokenFSQ(*code_geometry(model, mode, args.levels), args.width, args.depth, args.heads, args.mlp_ratio)
     return code_fsq(model, mode, args.levels, args.hidden)
@@ -250,7 +250,7 @@ def finish(args, model, q, meta, data, docs, mode, frozen: str, out: Path) -> No
     q.eval()
     metrics = {}
     if args.data == "pages" and args.eval_pages:
-        test = list(PageStream(docs["test"], PageSpec(augment=False), seed=2, length=args.eval_pages))
+        test = list(test_pages(args.eval_pages, seed=2))
         plain, coded = evaluate(model, test, mode), evaluate(model, test, mode, quantizer=q)
         metrics = {"test_pages": len(test), "cer_uncompressed": round(plain["cer"], 4), "cer_codes": round(coded["cer"], 4),
                    "wer_uncompressed": round(plain["wer"], 4), "wer_codes": round(coded["wer"], 4)}

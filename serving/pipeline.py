@@ -17,10 +17,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from architecture import ARCHITECTURE, GENERATION, NUM_CODES, PROMPTS, ROOT
-from checkpoint import DTYPES, CheckpointError, OCRModel, load_model, verify_pin
-from decoder import Generator, RepetitionRule
-from quantizer import ScalarCodes
+from ocr_latent.architecture import ARCHITECTURE, GENERATION, NUM_CODES, PROMPTS, ROOT
+from ocr_latent.checkpoint import DTYPES, CheckpointError, OCRModel, load_model, verify_pin
+from ocr_latent.decoder import Generator, RepetitionRule
+from ocr_latent.quantizer import ScalarCodes
 
 
 def base_fingerprint(model: OCRModel) -> str:

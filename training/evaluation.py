@@ -4,11 +4,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from checkpoint import OCRModel
-from decoder import Generator, RepetitionRule
-from encoder import make_view, views_to_tensor
-from losses import order_targets, reading_prompt
-from metrics import cer, wer
+from ocr_latent.checkpoint import OCRModel
+from ocr_latent.decoder import Generator, RepetitionRule
+from ocr_latent.encoder import make_view, views_to_tensor
+from ocr_latent.training.losses import order_targets, reading_prompt
+from ocr_latent.training.reading_metrics import cer, wer
 
 
 def pixels_of(pages, mode: str) -> torch.Tensor:
@@ -50,7 +50,7 @@ def slot_accuracy(model: OCRModel, order_head, pages, grid: int, slots: int, bot
     if bottleneck is not None:
         feats = bottleneck.decode(bottleneck.encode(feats))
     pred = order_head(feats).reshape(*feats.shape[:2], slots, -1).argmax(-1)
-    from nano import model_charset
+    from ocr_latent.training.nano import model_charset
     charset = charset or model_charset(model)
     target = torch.from_numpy(np.stack([order_targets(p, grid, slots, charset) for p in pages]))
     occupied = target != len(charset)

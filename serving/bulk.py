@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine import EngineConfig, EngineError, env_number, env_text
+from ocr_latent.serving.engine import EngineConfig, EngineError, env_number, env_text
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".bmp"}
 PARQUET_COLUMNS = ("path", "page", "codes", "quantizer")
@@ -35,7 +35,7 @@ class EngineActor:
     batches it (encode micro-batches, continuous decode batching)."""
 
     def __init__(self, root: str = ""):
-        from engine import Engine
+        from ocr_latent.serving.engine import Engine
         config = EngineConfig.from_env()
         self.root = Path(root)
         self.engine = Engine(config).start()
@@ -55,8 +55,8 @@ class EngineActor:
 
 class Encoder(EngineActor):
     def _image(self, path: str, page: int):
-        from documents import looks_like_pdf, render_pdf
-        from server import ApiError, open_image
+        from ocr_latent.serving.documents import looks_like_pdf, render_pdf
+        from ocr_latent.server import ApiError, open_image
         data = (self.root / path).read_bytes()
         if looks_like_pdf(data):  # rendered as /encode renders it, at the encoder's view size
             [(_, image)] = render_pdf(data, self.engine.pipeline.mode, str(page), 1)
@@ -67,7 +67,7 @@ class Encoder(EngineActor):
             raise ValueError(e.message) from None
 
     def __call__(self, batch: dict) -> dict:
-        from quantizer import pack
+        from ocr_latent.quantizer import pack
         jobs, errors = {}, {}
         for i, (path, page) in enumerate(zip(batch["path"], batch["page"])):
             try:
@@ -90,7 +90,7 @@ class Decoder(EngineActor):
         self.prompt, self.max_tokens = prompt, max_tokens
 
     def __call__(self, batch: dict) -> dict:
-        from quantizer import unpack
+        from ocr_latent.quantizer import unpack
         own = self.engine.pipeline.quantizer_fingerprint
         jobs, errors = {}, {}
         for i, (codes, fingerprint) in enumerate(zip(batch["codes"], batch["quantizer"])):
@@ -121,7 +121,7 @@ def init_ray():
 
 def list_pages(root: Path, errors) -> list[dict]:
     """Every page under `root`: an image is one page, a PDF as many as it has; unreadable PDFs go to `errors`."""
-    from documents import DocumentError, looks_like_pdf, page_count
+    from ocr_latent.serving.documents import DocumentError, looks_like_pdf, page_count
     rows = []
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         rel = str(path.relative_to(root))

@@ -19,9 +19,9 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from checkpoint import load_model
-from decoder import Generator
-from encoder import make_view, view_to_tensor
+from ocr_latent.checkpoint import load_model
+from ocr_latent.decoder import Generator
+from ocr_latent.encoder import make_view, view_to_tensor
 
 
 def compare_mode(model, ref: dict, mode: str, page: Image.Image, prompt_ids: list[int], n_greedy: int) -> list[tuple]:

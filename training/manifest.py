@@ -8,9 +8,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from pages import PageMix, PageSpec, sources_manifest
-
-ROOT = Path(__file__).resolve().parent
+from ocr_latent.architecture import ROOT
+from ocr_latent.training.pages import PageMix, PageSpec, sources_manifest
 
 
 def code_commit() -> str:

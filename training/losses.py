@@ -6,9 +6,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from checkpoint import OCRModel
-from nano import FREE_PROMPT
-from pages import CHARSET, token_cell
+from ocr_latent.checkpoint import OCRModel
+from ocr_latent.training.nano import FREE_PROMPT
+from ocr_latent.training.pages import CHARSET, token_cell
 
 
 def reading_prompt(model: OCRModel) -> str:

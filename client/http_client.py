@@ -1,6 +1,6 @@
 """A small Python client of the ocr-latent HTTP API (httpx), and what `ocr-latent encode/decode` use.
 
-    from client import Client
+    from ocr_latent.client import Client
     with Client("http://127.0.0.1:8000") as c:
         doc = c.encode(Path("page.png").read_bytes())      # a CodesFile: pages of codes + the quantizer's fingerprint
         Path("page.olc").write_bytes(doc.to_bytes())
@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import httpx
 import numpy as np
 
-from codesfile import MEDIA_TYPE, CodesFile, pack
+from ocr_latent.client.codesfile import MEDIA_TYPE, CodesFile, pack
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 

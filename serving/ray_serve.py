@@ -34,9 +34,9 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 
-from engine import (Cancelled, DeadlineExceeded, DecodeResult, Engine, EngineConfig, EngineError, Loading,
+from ocr_latent.serving.engine import (Cancelled, DeadlineExceeded, DecodeResult, Engine, EngineConfig, EngineError, Loading,
                     ModelFailure, Overloaded, Unavailable, env_number, env_text)
-from telemetry import Metrics
+from ocr_latent.serving.telemetry import Metrics
 
 log = logging.getLogger("ocr_latent.ray")
 APP_NAME = "ocr-latent"
@@ -287,7 +287,7 @@ class RemoteEngine:
 # ----------------------------------------------------------------------------- the application
 def http_app():
     """Built on the ingress replica: server.py's app, its engine a RemoteEngine on this application."""
-    import server
+    from ocr_latent import server
     try:
         app_name = serve.get_replica_context().app_name
     except Exception:  # noqa: BLE001 - outside a replica
@@ -375,7 +375,7 @@ def main() -> int:
     logging.basicConfig(level=env_text("LOG_LEVEL", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     host, port = env_text("HOST", "127.0.0.1"), env_number("PORT", 8000, int, 0)
-    import server
+    from ocr_latent import server
     server.Settings.from_env()  # a bad variable stops here, with its message, before Ray starts
     joined = env_text("RAY_ADDRESS") is not None
     if joined:

@@ -11,7 +11,7 @@ import threading
 
 from PIL import Image
 
-from encoder import MODES
+from ocr_latent.encoder import MODES
 
 PDF_MAGIC = b"%PDF-"
 _pdfium_lock = threading.Lock()

@@ -31,8 +31,8 @@ from typing import Callable
 import numpy as np
 from PIL import Image
 
-from architecture import DTYPE_NAMES, MAX_LEVEL, NUM_CODES
-from telemetry import Metrics
+from ocr_latent.architecture import DTYPE_NAMES, MAX_LEVEL, NUM_CODES
+from ocr_latent.serving.telemetry import Metrics
 
 log = logging.getLogger("ocr_latent.engine")
 
@@ -335,7 +335,7 @@ class Engine:
         try:
             self._load()
         except BaseException as e:  # noqa: BLE001 - any load failure is fatal and must be reported
-            from checkpoint import CheckpointError
+            from ocr_latent.checkpoint import CheckpointError
             message = str(e) if isinstance(e, (CheckpointError, FileNotFoundError, StartupError)) else \
                 f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
             self.failed = message
@@ -360,7 +360,7 @@ class Engine:
         if self.s.load_delay_s:
             time.sleep(self.s.load_delay_s)
         t0 = time.monotonic()
-        from pipeline import load_pipeline
+        from ocr_latent.serving.pipeline import load_pipeline
         if self.s.device.startswith("cuda") and not torch.cuda.is_available():
             raise StartupError(f"DEVICE={self.s.device} but torch {torch.__version__} sees no CUDA device: install "
                                "a CUDA build of torch==2.13.0 in .venv or use DEVICE=cpu")

@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter, ImageFont
 
+from ocr_latent.architecture import ROOT
+
 CHARSET = "".join(chr(code) for code in range(ord(" "), ord("~") + 1))  # the 95 printable ASCII characters
 # the printable Latin-1 supplement (U+00A1..U+00FF) without the soft hyphen, which renders as nothing
 LATIN1 = "".join(chr(code) for code in range(0xA1, 0x100) if code != 0xAD)
@@ -62,7 +64,7 @@ def load_corpus(root: str | Path = "corpus") -> list[Document]:
     the working directory is looked up next to this module, so scripts work from any directory."""
     path = Path(root)
     if not path.is_absolute() and not path.is_dir():
-        path = Path(__file__).resolve().parent / path
+        path = ROOT / path
     docs = []
     for file in sorted(path.glob("*.txt")):
         raw = file.read_bytes()
@@ -361,6 +363,15 @@ class PageStream:
             index += 1
 
 
+def test_pages(n: int | None = None, seed: int = 2, spec: PageSpec | PageMix | None = None) -> PageStream:
+    """The held-out pages: the test split's documents, clean (no augmentation) unless `spec` says
+    otherwise; `n` pages (None: as many as asked for). seed=2 is the set training reports on."""
+    return PageStream(split_documents(load_corpus())["test"], spec or PageSpec(augment=False), seed=seed, length=n)
+
+
+test_pages.__test__ = False  # a helper, not a test, wherever tests import it
+
+
 def token_cell(page: Page, box: tuple, grid: int) -> int:
     """The vision token (row-major, of grid x grid) whose square of the letterboxed view holds the
     centre of a character box: base mode scales the page to fit its view and centres it."""
@@ -383,7 +394,7 @@ def char_targets(page: Page, grid: int, charset: str = CHARSET) -> np.ndarray:
     return targets
 
 
-if __name__ == "__main__":  # python pages.py [N] [small|ordinary] : write N sample test-split pages to /tmp
+if __name__ == "__main__":  # python -m ocr_latent.training.pages [N] [small|ordinary]: N sample test-split pages to /tmp
     import sys
 
     count = int(sys.argv[1]) if len(sys.argv) > 1 else 3

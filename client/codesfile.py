@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from architecture import MAX_LEVEL, NUM_CODES, PACKED_BYTES
+from ocr_latent.architecture import MAX_LEVEL, NUM_CODES, PACKED_BYTES
 
 MAGIC = b"OLC1"
 VERSION = 1

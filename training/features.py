@@ -19,8 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from checkpoint import OCRModel, load_model
-from pages import PAGE_KINDS, PageStream, load_corpus, split_documents
+from ocr_latent.checkpoint import OCRModel, load_model
+from ocr_latent.training.pages import PAGE_KINDS, PageStream, load_corpus, split_documents
 
 SHARD = 512
 
@@ -35,7 +35,7 @@ def shard_size(pages: int) -> int:
 
 
 def shard_key(model: OCRModel, seed: int, index: int, size: int, kind: str = "small") -> dict[str, str]:
-    from pipeline import base_fingerprint
+    from ocr_latent.serving.pipeline import base_fingerprint
     key = {"base_fingerprint": base_fingerprint(model), "stream_seed": str(seed), "first_page": str(index * size),
            "pages": str(size)}
     return key if kind == "small" else key | {"page_kind": kind}  # caches of small pages predate the field

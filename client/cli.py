@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args, rest = ap.parse_known_args(argv)
     if args.cmd == "train":
-        import train
+        from ocr_latent import train
         train.main(rest)
         return 0
     if rest:
@@ -74,22 +74,22 @@ def main(argv: list[str] | None = None) -> int:
         if backend not in ("local", "ray"):
             raise SystemExit(f"ocr-latent: BACKEND={backend!r}: use local (one process, the default) or ray (Ray Serve)")
         if backend == "ray":
-            import ray_serve
+            from ocr_latent.serving import ray_serve
             return ray_serve.main()
-        import server
+        from ocr_latent import server
         return server.main()
     if args.cmd in ("bulk-encode", "bulk-decode"):
         if args.actors < 1 or args.batch_size < 1 or getattr(args, "max_tokens", 1) < 1:
             ap.error("--actors, --batch-size and --max-tokens must be >= 1")
-        import bulk
+        from ocr_latent.serving import bulk
         if args.cmd == "bulk-encode":
             failed = bulk.bulk_encode(args.input, args.output, args.actors, args.batch_size)
         else:
             failed = bulk.bulk_decode(args.input, args.output, args.actors, args.batch_size, args.prompt, args.max_tokens)
         return 1 if failed else 0
 
-    from client import Client, ClientError
-    from codesfile import SUFFIX, CodesFile, CodesFileError
+    from ocr_latent.client import Client, ClientError
+    from ocr_latent.client.codesfile import SUFFIX, CodesFile, CodesFileError
     try:
         with Client(args.url, args.api_key, args.timeout) as client:
             if args.cmd == "health":
