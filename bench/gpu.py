@@ -44,7 +44,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 from ocr_latent.checkpoint import OCRModel, SpecialTokens, build_modules, save_model
-from ocr_latent.decoder import Generator, Linear, MoE, RMSNorm, grouped_mm_works, set_deterministic
+from ocr_latent.decoder import Linear, MoE, RMSNorm, grouped_mm_works, set_deterministic
+from ocr_latent.generation import Generator
 from ocr_latent.encoder import LayerNorm2d
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "float32": torch.float32}

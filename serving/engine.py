@@ -4,7 +4,7 @@ the HTTP face (server.py), benchmarks and other front-ends submit typed jobs and
 The worker is a dynamic micro-batcher:
   * encode jobs that arrive within `encode_batch_window_ms` of each other (up to `encode_max_batch`)
     go through the towers as one batch;
-  * decode jobs join a running `decoder.Generator` (continuous batching, `decode_slots` sequences in
+  * decode jobs join a running `generation.Generator` (continuous batching, `decode_slots` sequences in
     one batched KV cache) at the next step boundary and leave it as soon as they finish;
   * each turn of the loop runs at most one encode batch, admits waiting decodes into free slots (one
     batched prefill) and runs one decode step, so neither kind starves the other.

@@ -2,7 +2,7 @@
 
 encode: page images -> DeepEncoder features -> FSQ codes [B, 4096] (uint8, 0..15)
 decode: codes -> dequantized features -> image embeddings laid out as DeepSeek-OCR does -> decoder
-inputs; generation itself runs on a `decoder.Generator` owned by the caller (the server's worker).
+inputs; generation itself runs on a `generation.Generator` owned by the caller (the server's worker).
 Nothing but the codes and the prompt crosses from encode to decode.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from PIL import Image
 
 from ocr_latent.architecture import ARCHITECTURE, GENERATION, NUM_CODES, PROMPTS, ROOT
 from ocr_latent.checkpoint import DTYPES, CheckpointError, OCRModel, load_model, verify_pin
-from ocr_latent.decoder import Generator, RepetitionRule
+from ocr_latent.generation import Generator, RepetitionRule
 from ocr_latent.quantizer import ScalarCodes
 
 
@@ -41,7 +41,7 @@ def native_bf16_cpu() -> bool:
 
 
 def default_prefill_dtype(device: str, dtype: str) -> str:
-    """bf16 prompts for an fp32 model on a CPU with native bf16 (see decoder.Generator); else the model's dtype."""
+    """bf16 prompts for an fp32 model on a CPU with native bf16 (see generation.Generator); else the model's dtype."""
     return "bf16" if device == "cpu" and DTYPES[dtype] == torch.float32 and native_bf16_cpu() else dtype
 
 

@@ -12,7 +12,8 @@ import torch
 from ocr_latent import decoder as decoder_module
 from ocr_latent.checkpoint import build_modules
 from conftest import ROOT, small_config
-from ocr_latent.decoder import DecoderConfig, Generator, RepetitionRule, rope_table, set_deterministic
+from ocr_latent.decoder import DecoderConfig, rope_table, set_deterministic
+from ocr_latent.generation import Generator, RepetitionRule
 
 
 def _prompts(decoder, lengths, seed=0):

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from ocr_latent.training import parity
 from ocr_latent.checkpoint import CheckpointError, OCRModel, SpecialTokens, build_modules, checkpoint_state, load_model, save_model
 from conftest import ROOT, needs_shared, small_config
-from ocr_latent.decoder import Generator, RepetitionRule
+from ocr_latent.generation import Generator, RepetitionRule
 from ocr_latent.encoder import MODES, make_view, view_to_tensor
 from ocr_latent.quantizer import FSQ, pack, unpack
 

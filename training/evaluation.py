@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from ocr_latent.checkpoint import OCRModel
-from ocr_latent.decoder import Generator, RepetitionRule
+from ocr_latent.generation import Generator, RepetitionRule
 from ocr_latent.encoder import make_view, views_to_tensor
 from ocr_latent.training.losses import order_targets, reading_prompt
 from ocr_latent.training.reading_metrics import cer, wer

@@ -20,7 +20,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from ocr_latent.checkpoint import load_model
-from ocr_latent.decoder import Generator
+from ocr_latent.generation import Generator
 from ocr_latent.encoder import make_view, view_to_tensor
 
 

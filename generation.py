@@ -1,0 +1,350 @@
+"""Greedy generation on the decoder (decoder.py): continuous batching over a fixed-size batched KV cache.
+
+Sequences are prefilled into free cache slots and dropped between steps; each step advances every
+active sequence by one token. A step's shapes are fixed by (rows, attended length), so on CUDA each
+shape is captured once as a CUDA graph and replayed (docs/gpu.md); `COMPILE=1` runs steps through
+torch.compile. Stopping: EOS, `max_tokens`, or the `RepetitionRule` (windowed no-repeat-n-gram, as
+the official scripts, plus a loop detector).
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ocr_latent.decoder import Decoder, deterministic, grouped_mm_traceable, grouped_mm_works
+
+log = logging.getLogger("ocr_latent.decoder")  # the lines it logged before it left decoder.py
+
+
+@dataclass
+class RepetitionRule:
+    """vLLM-style windowed no-repeat-n-gram over generated tokens, plus a loop detector."""
+    ngram: int = 30
+    window: int = 90
+    exempt: frozenset[int] = frozenset()
+    max_period: int = 128  # exact cycles: a block of <= max_period tokens repeated
+    min_cycle_span: int = 48  # ... covering at least this many tokens, and at least 3 copies
+    fuzzy_window: int = 240  # near-cycles the n-gram ban bends but does not break:
+    fuzzy_gram: int = 8  # under 35% of the 8-grams among the last 240 tokens are distinct
+    fuzzy_min_distinct: float = 0.35
+
+    def banned(self, generated: list[int]) -> set[int]:
+        n, t = self.ngram, generated
+        if n <= 0 or len(t) < n:
+            return set()
+        prefix, out = t[len(t) - n + 1:], set()
+        # an earlier copy of the last n-1 tokens ends where the last token recurs: list.index finds
+        # those few places in C, and only they are compared as slices
+        for j in occurrences(t, t[-1], max(0, len(t) - self.window) + n - 2, len(t) - 1):
+            if t[j - n + 2:j + 1] == prefix:
+                out.add(t[j + 1])
+        return out - self.exempt
+
+    def looping(self, generated: list[int], grams: Counter | None = None) -> bool:
+        """`grams`: the fuzzy window's n-grams kept by `track` (an O(1) count instead of rebuilding the set)."""
+        t, L = generated, len(generated)
+        # period p needs t[-1 - p] == t[-1]
+        for j in reversed(occurrences(t, t[-1], L - 1 - min(self.max_period, L // 3), L - 1) if t else []):
+            p = L - 1 - j
+            span = max(3 * p, self.min_cycle_span)
+            if span <= L and t[-span:-p] == t[L - span + p:]:
+                return True
+        if L >= self.fuzzy_window:
+            g, count = self.fuzzy_gram, self.fuzzy_window - self.fuzzy_gram + 1
+            if grams is None:
+                tail = t[-self.fuzzy_window:]
+                grams = {tuple(tail[i:i + g]) for i in range(count)}
+            return len(grams) < self.fuzzy_min_distinct * count
+        return False
+
+    def track(self, grams: Counter, generated: list[int]) -> None:
+        """Update `grams` (the fuzzy_gram-grams starting in the last fuzzy_window tokens) for one appended token."""
+        t, g, w = generated, self.fuzzy_gram, self.fuzzy_window
+        if len(t) >= g:
+            grams[tuple(t[-g:])] += 1
+        if len(t) > w:  # the gram that started just before the window leaves it
+            old = tuple(t[-w - 1:-w - 1 + g])
+            grams[old] -= 1
+            if not grams[old]:
+                del grams[old]
+
+
+def occurrences(t: list[int], value: int, start: int, stop: int) -> list[int]:
+    """Indices j in [start, stop) with t[j] == value, ascending."""
+    out, j = [], max(start, 0)
+    while j < stop:
+        try:
+            j = t.index(value, j, stop)
+        except ValueError:
+            break
+        out.append(j)
+        j += 1
+    return out
+
+
+@dataclass
+class Sequence:
+    id: int
+    slot: int
+    max_tokens: int
+    tokens: list[int]
+    finish_reason: str | None = None
+    grams: Counter = field(default_factory=Counter)  # RepetitionRule.track's running count
+
+
+class Generator:
+    """Continuous greedy batching: sequences are added (prefilled into free cache slots) and dropped
+    between steps; each `step` advances every active sequence by one token.
+
+    `prefill`: the same decoder at another precision for the prompts (a bf16 copy on a CPU with native
+    bf16 matmuls: prompts are hundreds of positions of compute-bound GEMMs, where bf16 is faster, 2.2x
+    for a batch of 16 and ~1.2x for one, while one-token steps are bound by memory and overhead,
+    where fp32 is faster). It writes the same cache; by default the decoder prefills itself.
+
+    Memory: `kv_tokens` positions of keys/values in all, allocated here once (default: every slot can
+    hold `max_positions`): `slot_tokens` = kv_tokens // slots per sequence, prompt included. Call
+    `can_admit(prompt_len, max_tokens)` before `add`: `add` cuts a sequence that would not fit down to
+    what its slot holds (finish_reason "length").
+
+    Shapes: a step runs rows 0..B-1 and attends over L positions. With `buckets` (default on CUDA)
+    B is the next power of two above the rows in use and L the next power of two (>= 256) above the
+    longest sequence, so few shapes occur, and with `cuda_graphs` (default on CUDA) each is captured
+    once and replayed. Without (the CPU's default) B and L are exact: a CPU gains nothing from fixed
+    shapes and would pay for the padding. In deterministic mode (`set_deterministic`) every step is
+    (all slots, slot_tokens). `compile`: decode steps through torch.compile (each new shape compiles first)."""
+
+    def __init__(self, decoder: Decoder, slots: int, eos_id: int, rule: RepetitionRule | None,
+                 prefill: Decoder | None = None, kv_tokens: int | None = None, buckets: bool | None = None,
+                 cuda_graphs: bool | None = None, compile: bool = False):
+        self.decoder, self.eos_id, self.rule = decoder, eos_id, rule
+        self.prefill_decoder = prefill or decoder
+        self.slots, self.max_positions = slots, decoder.cfg.max_position_embeddings
+        kv_tokens = slots * self.max_positions if kv_tokens is None else kv_tokens
+        self.slot_tokens = min(self.max_positions, kv_tokens // slots)
+        if self.slot_tokens < 2:
+            raise ValueError(f"kv_tokens={kv_tokens} leaves {self.slot_tokens} positions to each of {slots} slots")
+        self.cache = decoder.new_cache(slots, self.slot_tokens)
+        dev = self.cache.k.device
+        # the step's inputs live on the device: each slot's last token and the position it goes to
+        self.tokens = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(slots, dtype=torch.long, device=dev)
+        # probed and built now, not inside a capture or a compiled trace: a RoPE table built by a compiled
+        # step's first call fails the guards of its second, which then recompiles, inside the graph capture
+        for d in {decoder, self.prefill_decoder}:
+            grouped_mm_works(dev, d.embed_tokens.weight.dtype)
+            d.rope_tables(dev)
+        cuda = dev.type == "cuda"
+        self.buckets = cuda if buckets is None else buckets
+        self.cuda_graphs = cuda if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and not cuda:
+            raise ValueError("CUDA graphs need the decoder on a CUDA device")
+        self._graphs: dict[tuple[int, int], tuple] = {}  # (B, L) -> (graph, logits, best)
+        # torch.compile fuses a step's elementwise chains (norms, RoPE, routing, the combine) into a few
+        # kernels; compiled on a shape's first step (outside any capture), the graph captures the result
+        self._decode_step = torch.compile(decoder.decode_step) if compile else decoder.decode_step
+        # Without a traceable grouped GEMM a compiled step reads each row's experts in place, and beyond those
+        # rows runs every expert on every row where the experts are small (MoE.dense_max_weights); with
+        # large ones the steps of more rows stay eager
+        moe = [layer.mlp for layer in decoder.layers if not layer.dense]
+        self.in_place_rows = min((m.in_place_rows for m in moe), default=self.slots)
+        traceable = grouped_mm_traceable(decoder.embed_tokens.weight.dtype)
+        self.compiled_rows = self.slots if traceable or all(m.compiles_dense() for m in moe) else self.in_place_rows
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        self.free = list(range(slots))
+        self.active: dict[int, Sequence] = {}  # slot -> sequence
+        self.positions: dict[int, int] = {}  # slot -> position of its next token (the host's copy of self.pos)
+        self._next_id = 0
+
+    @property
+    def capacity(self) -> int:
+        return len(self.free)
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.slots * self.slot_tokens
+
+    def can_admit(self, prompt_len: int, max_tokens: int) -> bool:
+        """Whether a sequence of prompt_len positions that may generate max_tokens can be added now: a free
+        slot, and room in it for all of its tokens. Never true when prompt_len + max_tokens > slot_tokens."""
+        return bool(self.free) and prompt_len + max_tokens <= self.slot_tokens
+
+    @torch.inference_mode()
+    def add(self, inputs: list[Tensor], max_tokens: list[int]) -> list[Sequence]:
+        """Prefill new sequences; their first token is chosen at once (they may finish right away)."""
+        too_long = [x.shape[0] for x in inputs if x.shape[0] >= self.slot_tokens]
+        if too_long:
+            raise ValueError(f"prompts of {too_long} positions do not fit a slot of {self.slot_tokens}")
+        if len(inputs) > len(self.free):
+            raise ValueError(f"{len(inputs)} sequences for {len(self.free)} free slots")
+        # lowest free slots first: with drop's compaction the sequences hold slots 0..n-1
+        self.free.sort()
+        slots, self.free = self.free[:len(inputs)], self.free[len(inputs):]
+        if deterministic():  # a prompt's shapes then depend on it alone
+            logits = torch.cat([self.prefill_decoder.prefill(self.cache, [s], [x]) for s, x in zip(slots, inputs)])
+        else:
+            logits = self.prefill_decoder.prefill(self.cache, slots, inputs)
+        best = logits.argmax(-1).tolist()
+        seqs = []
+        for slot, x, limit, row, token in zip(slots, inputs, max_tokens, logits, best):
+            # the last token is chosen, never written: a slot holds prompt + max_tokens - 1 positions
+            seq = Sequence(self._next_id, slot, min(limit, self.slot_tokens - x.shape[0]), [])
+            self._next_id += 1
+            self.active[slot], self.positions[slot] = seq, x.shape[0]
+            self._choose(seq, row, token)
+            seqs.append(seq)
+        index = torch.tensor(slots, device=self.tokens.device)
+        self.tokens[index] = torch.tensor([s.tokens[-1] for s in seqs], device=self.tokens.device)
+        self.pos[index] = torch.tensor([x.shape[0] for x in inputs], device=self.pos.device)
+        return seqs
+
+    @torch.inference_mode()
+    def drop(self, seq: Sequence) -> None:
+        if self.active.get(seq.slot) is not seq:
+            return
+        hole = seq.slot
+        del self.active[hole], self.positions[hole]
+        last = max(self.active, default=-1)
+        if last > hole:
+            # Keep the sequences in slots 0..n-1: the one in the highest slot moves into the hole
+            # (a copy of its cached prefix, once). Otherwise a step would either run the idle rows
+            # between them or gather the running rows' keys/values in every layer, every step.
+            moved = self.active.pop(last)
+            self.positions[hole] = self.positions.pop(last)
+            self.cache.move(last, hole, self.positions[hole])
+            self.tokens[hole], self.pos[hole] = self.tokens[last], self.pos[last]  # device to device
+            moved.slot, self.active[hole], hole = hole, moved, last
+        self.free.append(hole)
+
+    def shape(self, rows: int, length: int) -> tuple[int, int]:
+        """(B, L) of a step over slots 0..rows-1 whose longest sequence attends over `length` positions."""
+        if deterministic():
+            return self.slots, self.slot_tokens
+        if not self.buckets:
+            return rows, length
+        return min(self.slots, 1 << (rows - 1).bit_length()), min(self.slot_tokens, max(256, 1 << (length - 1).bit_length()))
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        running = [s for s in self.active.values() if s.finish_reason is None]
+        if not running:
+            return
+        # rows 0..max slot: finished sequences not dropped yet run along (their tokens are ignored)
+        B, L = self.shape(max(self.active) + 1, max(self.positions[s.slot] for s in running) + 1)
+        self.cache.ensure(L)
+        logits, best = self._run(B, L)
+        best = best.tolist()  # the step's one copy to the host
+        for seq in running:
+            self.positions[seq.slot] += 1
+            self._choose(seq, logits[seq.slot], best[seq.slot])
+
+    def _run(self, B: int, L: int) -> tuple[Tensor, Tensor]:
+        if not self.cuda_graphs:
+            return self._advance(B, L)
+        if (B, L) not in self._graphs:
+            try:
+                self._capture(B, L)
+            except RuntimeError as e:
+                # a step that a graph cannot hold (an op that waits on the host, say) still runs: eagerly,
+                # from now on (nothing ran in the failed capture; its warm-up rewrote what the step writes)
+                log.warning("CUDA graph capture of a (%d, %d) step failed, decoding without graphs: %s", B, L, e)
+                self.cuda_graphs = False
+                return self._advance(B, L)
+        graph, logits, best = self._graphs[B, L]
+        graph.replay()
+        return logits, best
+
+    def _compute(self, B: int, L: int) -> tuple[Tensor, Tensor]:
+        try:
+            step = self._decode_step if B <= self.compiled_rows else self.decoder.decode_step
+            logits = step(self.cache, self.tokens[:B], self.pos[:B], L)
+        except Exception as e:  # noqa: BLE001 - compiling failed (no C++ compiler, say): decode without
+            if self._decode_step == self.decoder.decode_step:
+                raise
+            log.warning("torch.compile of the decode step failed, decoding without it: %s: %s", type(e).__name__, e)
+            self._decode_step = self.decoder.decode_step
+            logits = self._decode_step(self.cache, self.tokens[:B], self.pos[:B], L)
+        return logits, logits.argmax(-1)
+
+    def warmup_shapes(self) -> list[tuple[int, int]]:
+        """The (rows, length) shapes whose compiling covers every step a compiled generator will run: a static
+        one-row step, one general in rows and length, and the same beyond the rows that read experts in place
+        (another MoE path) where steps of more rows are compiled too."""
+        shapes = [(1, 256), (1, 257), (2, 257)]
+        if self.compiled_rows > self.in_place_rows:
+            rows = self.in_place_rows + 1
+            shapes += [(rows, 257), (min(self.compiled_rows, 2 * rows), 258)]  # distinct rows once bucketed too
+        return shapes
+
+    @torch.inference_mode()
+    def prepare(self, shapes: list[tuple[int, int]]) -> None:
+        """Run one step of each (rows, length) shape before any sequence is added, so that compiling and
+        capturing happen now rather than in a request (a compiled step generalises to the other shapes
+        once it has met two of each dimension). Writes only into free slots, which prefill overwrites."""
+        if self.active:
+            raise ValueError("prepare() runs before any sequence is added")
+        for B, L in shapes:
+            B, L = self.shape(min(B, self.slots), min(L, self.slot_tokens))
+            self.cache.ensure(L)
+            self._run(B, L)
+        self.tokens.zero_()
+        self.pos.zero_()
+
+    def _advance(self, B: int, L: int) -> tuple[Tensor, Tensor]:
+        """A step of rows 0..B-1, and their next inputs set on the device: the best tokens (the host
+        overrides a row whose best is banned) at the next positions."""
+        logits, best = self._compute(B, L)
+        self.tokens[:B] = best
+        # rows that run past their end (finished, padding) keep writing inside their own slot
+        self.pos[:B] = (self.pos[:B] + 1).clamp_(max=self.slot_tokens - 1)
+        return logits, best
+
+    def _capture(self, B: int, L: int) -> None:
+        """Capture one step of shape (B, L) as a CUDA graph (the inputs, cache and outputs keep their
+        addresses, so replaying it is the step). All graphs share one memory pool: they never run at once."""
+        # warm-up outside the capture (library handles, the MoE probe, the RoPE table): _compute
+        # rewrites the same keys/values the step will write and advances nothing
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._compute(B, L)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread's CUDA work (an encode batch, a test) does not break the capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            logits, best = self._advance(B, L)
+        self._graphs[B, L] = (graph, logits, best)
+
+    def _choose(self, seq: Sequence, logits: Tensor, token: int) -> None:
+        """Append `token` (the row's argmax) unless the repetition rule bans it: then the best allowed one."""
+        banned = self.rule.banned(seq.tokens) if self.rule is not None else None
+        if banned and token in banned:
+            # only a banned argmax changes the choice; this row's logits come to the host for it (the
+            # few steps that need it), and the device's next input follows
+            row = logits.clone()
+            row[list(banned)] = float("-inf")
+            token = int(row.argmax())
+            self.tokens[seq.slot] = token
+        seq.tokens.append(token)
+        if self.rule is not None:
+            self.rule.track(seq.grams, seq.tokens)
+        if token == self.eos_id:
+            seq.finish_reason = "stop"
+        elif self.rule is not None and self.rule.looping(seq.tokens, seq.grams):
+            seq.finish_reason = "repetition"
+        elif len(seq.tokens) >= seq.max_tokens:
+            seq.finish_reason = "length"
+
+    def generate(self, inputs: list[Tensor], max_tokens: list[int]) -> list[Sequence]:
+        """Convenience: run a fixed set of sequences to completion (each leaves the batch as it finishes)."""
+        seqs = self.add(inputs, max_tokens)
+        while True:
+            for s in seqs:
+                if s.finish_reason is not None:
+                    self.drop(s)
+            if all(s.finish_reason is not None for s in seqs):
+                return seqs
+            self.step()
