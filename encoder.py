@@ -55,7 +55,10 @@ class VisionConfig:
 
 # ----------------------------------------------------------------------------- preprocessing
 def load_image(data: bytes | Image.Image) -> Image.Image:
-    """Decode, honour EXIF orientation, convert any mode to RGB."""
+    """Decode, honour EXIF orientation, convert any mode to RGB. An image that is upright RGB already
+    (documents.open_image's, a rendered page) is returned as it is: the work is done once per page."""
+    if isinstance(data, Image.Image) and data.mode == "RGB" and data.getexif().get(0x0112, 1) == 1:
+        return data  # what exif_transpose(...).convert("RGB") would copy unchanged
     if not isinstance(data, Image.Image):
         import io
         data = Image.open(io.BytesIO(data))

@@ -4,7 +4,7 @@
 #   ./serve.sh                                              # embedded nano model, CPU, 127.0.0.1:8000
 #   HOST=0.0.0.0 ./serve.sh                                 # reachable from other machines
 #   MODEL_DIR=/models/DeepSeek-OCR DEVICE=cuda DTYPE=bf16 ./serve.sh
-#   BACKEND=ray DECODE_REPLICAS=2 ./serve.sh                # the same API on Ray Serve (ray_serve.py, docs/deployment.md);
+#   BACKEND=ray DECODE_REPLICAS=2 ./serve.sh                # the same API on Ray Serve (serving/ray_serve.py, docs/deployment.md);
 #                                                           # a local Ray, or the cluster at RAY_ADDRESS
 #
 # First sets up what is missing (setup.sh: .venv with the versions pinned in pyproject.toml; a no-op

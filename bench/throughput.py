@@ -93,7 +93,7 @@ def run(pool_size: int, fn, items) -> tuple[list, float]:
     return results, time.perf_counter() - t0
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=32, help="pages (and requests per concurrency level)")
     ap.add_argument("--max-tokens", type=int, default=512)
@@ -104,17 +104,25 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat the decode levels in turn (1, 4, 16, 1, 4, 16, ...) and pool them: on a machine whose "
                          "speed drifts, interleaving keeps the drift out of the ratios")
-    args = ap.parse_args(argv)
-    dec_levels = [int(x) for x in args.decode_concurrency.split(",")]
-    enc_levels = [int(x) for x in args.encode_concurrency.split(",")]
+    return ap.parse_args(argv)
 
-    stream = test_pages(seed=args.seed)
-    payloads = []
-    for i in range(args.n):
+
+def encode_bodies(n: int, seed: int) -> list[dict]:
+    """/encode JSON bodies of the first `n` held-out pages."""
+    stream, payloads = test_pages(seed=seed), []
+    for i in range(n):
         buf = io.BytesIO()
         stream[i].image.save(buf, "PNG")
         payloads.append({"image": base64.b64encode(buf.getvalue()).decode()})
+    return payloads
 
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    dec_levels = [int(x) for x in args.decode_concurrency.split(",")]
+    enc_levels = [int(x) for x in args.encode_concurrency.split(",")]
+
+    payloads = encode_bodies(args.n, args.seed)
     proc, startup_s, log = None, None, None
     if args.url:
         url = args.url.rstrip("/")

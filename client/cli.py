@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
+
+from ocr_latent.serving.settings import settings
 
 PAGE_SEPARATOR = "\f\n"  # between pages of decoded text, as pdftotext separates pages
 
@@ -33,9 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("train", help="train.py's commands (ocr-latent train --help)", add_help=False)
 
     remote = argparse.ArgumentParser(add_help=False)
-    remote.add_argument("--url", default=os.environ.get("OCR_LATENT_URL") or "http://127.0.0.1:8000",
+    remote.add_argument("--url", default=None,
                         help="the server (default $OCR_LATENT_URL, else http://127.0.0.1:8000)")
-    remote.add_argument("--api-key", default=os.environ.get("OCR_LATENT_API_KEY"),
+    remote.add_argument("--api-key", default=None,
                         help="its API key (default $OCR_LATENT_API_KEY)")
     remote.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for an answer (default 600)")
     enc = sub.add_parser("encode", parents=[remote], help="an image or PDF -> a codes file (.olc)")
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "serve":
-        backend = (os.environ.get("BACKEND") or "local").strip().lower()
+        backend = settings().backend.lower()
         if backend not in ("local", "ray"):
             raise SystemExit(f"ocr-latent: BACKEND={backend!r}: use local (one process, the default) or ray (Ray Serve)")
         if backend == "ray":
@@ -90,8 +91,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from ocr_latent.client import Client, ClientError
     from ocr_latent.client.codesfile import SUFFIX, CodesFile, CodesFileError
+    url = args.url or settings().url  # $OCR_LATENT_URL, else http://127.0.0.1:8000
+    api_key = args.api_key if args.api_key is not None else settings().client_api_key
     try:
-        with Client(args.url, args.api_key, args.timeout) as client:
+        with Client(url, api_key, args.timeout) as client:
             if args.cmd == "health":
                 print(json.dumps(client.health()))
             elif args.cmd == "encode":

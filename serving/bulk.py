@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ocr_latent.serving.engine import EngineConfig, EngineError, env_number, env_text
+from ocr_latent.serving.engine import EngineConfig, EngineError
+from ocr_latent.serving.settings import settings
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".bmp"}
 PARQUET_COLUMNS = ("path", "page", "codes", "quantizer")
@@ -40,7 +41,7 @@ class EngineActor:
         self.root = Path(root)
         self.engine = Engine(config).start()
         self.engine.wait_ready()
-        self.max_pixels = env_number("MAX_IMAGE_PIXELS", 40_000_000, int, 1)
+        self.max_pixels = settings().max_image_pixels
 
     def _wait(self, jobs: dict[int, object]) -> dict[int, object]:
         """row -> result, or the error's message (str)."""
@@ -55,16 +56,15 @@ class EngineActor:
 
 class Encoder(EngineActor):
     def _image(self, path: str, page: int):
-        from ocr_latent.serving.documents import looks_like_pdf, render_pdf
-        from ocr_latent.server import ApiError, open_image
+        from ocr_latent.serving.documents import DocumentError, looks_like_pdf, open_image, render_pdf
         data = (self.root / path).read_bytes()
         if looks_like_pdf(data):  # rendered as /encode renders it, at the encoder's view size
             [(_, image)] = render_pdf(data, self.engine.pipeline.mode, str(page), 1)
             return image
         try:
             return open_image(data, self.max_pixels)
-        except ApiError as e:
-            raise ValueError(e.message) from None
+        except DocumentError as e:
+            raise ValueError(str(e)) from None
 
     def __call__(self, batch: dict) -> dict:
         from ocr_latent.quantizer import pack
@@ -111,11 +111,12 @@ class Decoder(EngineActor):
 # ----------------------------------------------------------------------------- the driver
 def init_ray():
     import ray
-    if env_text("RAY_ADDRESS"):
-        ray.init(address=env_text("RAY_ADDRESS"), log_to_driver=False)
+    s = settings()
+    if s.ray_address:
+        ray.init(address=s.ray_address, log_to_driver=False)
     else:
-        ray.init(num_cpus=env_number("RAY_NUM_CPUS", None, int, 1), include_dashboard=False, log_to_driver=False,
-                 object_store_memory=env_number("RAY_OBJECT_STORE_BYTES", None, int, 80_000_000))
+        ray.init(num_cpus=s.ray_num_cpus, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=s.ray_object_store_bytes)
     return ray
 
 
@@ -145,7 +146,8 @@ def run_pool(ray, rows: list[dict], actor, ctor_kwargs: dict, actors: int, batch
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # one bar, in pages, below
     ds = ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // batch_size)))
-    cpus = env_number("REPLICA_CPUS", float(EngineConfig.from_env().torch_threads or 1), float, 0)
+    s = settings()
+    cpus = s.replica_cpus if s.replica_cpus is not None else float(EngineConfig.from_env().torch_threads or 1)
     out = ds.map_batches(actor, fn_constructor_kwargs=ctor_kwargs, batch_size=batch_size, batch_format="numpy",
                          compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=cpus)
     with tqdm(total=len(rows), unit="page", desc=what, file=sys.stderr, mininterval=2) as bar:

@@ -1,4 +1,5 @@
-"""PDF pages as page images, rendered with PDFium (pypdfium2) at the size the encoder's view mode takes.
+"""Documents as page images: an image file opened within its limits (`open_image`), and PDF pages
+rendered with PDFium (pypdfium2) at the size the encoder's view mode takes.
 
 PDFium is not thread-safe, not even across documents: every call into it, closing included, runs
 under one process-wide lock. Rendering is sized from the page's own dimensions, so a hostile page
@@ -6,24 +7,61 @@ size cannot make a huge bitmap.
 """
 from __future__ import annotations
 
+import io
 import re
 import threading
 
 from PIL import Image
 
-from ocr_latent.encoder import MODES
+from ocr_latent.encoder import MODES, load_image
 
 PDF_MAGIC = b"%PDF-"
 _pdfium_lock = threading.Lock()
 
 
 class DocumentError(ValueError):
-    """A PDF that cannot be read, or a page selection that does not fit it; the message says which."""
+    """An image or PDF that cannot be read, or a page selection that does not fit it; the message says
+    which. `status` and `type` are what the HTTP face answers (README "Errors")."""
 
-    def __init__(self, message: str, status: int = 422):
+    TYPES = {413: "payload_too_large", 415: "unsupported_media_type", 422: "invalid_document"}
+
+    def __init__(self, message: str, status: int = 422, type: str | None = None):
         super().__init__(message)
-        self.status = status
+        self.status, self.type = status, type or self.TYPES.get(status, "invalid_document")
 
+
+# what /encode decodes (spec: PNG, JPEG, WebP, TIFF, BMP; MPO is how Pillow opens multi-picture camera
+# JPEGs). Formats outside this list (EPS, which shells out to Ghostscript, PSD, ICO, ...) are a 415.
+IMAGE_FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "TIFF", "BMP")
+
+
+def open_image(data: bytes, max_pixels: int) -> Image.Image:
+    """Bytes -> RGB image (EXIF orientation applied: encoder.load_image, the one time it runs for a page).
+    The pixel count is checked from the header before the pixels are decoded: a DocumentError 413
+    (image_too_large) over `max_pixels`, 415 for anything that is not a supported image (any decoder
+    failure on bad bytes is the client's fault, never a 5xx)."""
+    Image.init()
+    try:
+        image = Image.open(io.BytesIO(data), formats=[f for f in IMAGE_FORMATS if f in Image.OPEN])
+    except Image.DecompressionBombError as e:
+        raise DocumentError(f"image too large: {e}", 413, "image_too_large") from None
+    except Exception as e:  # noqa: BLE001 - UnidentifiedImageError, or a plugin choking on bad bytes
+        raise DocumentError(f"not a supported image ({', '.join(IMAGE_FORMATS)}): {e}", 415) from None
+    width, height = image.size
+    if width * height > max_pixels:
+        raise DocumentError(f"image is {width}x{height} = {width * height} pixels; the limit "
+                            f"is {max_pixels} (MAX_IMAGE_PIXELS)", 413, "image_too_large")
+    if width < 1 or height < 1:
+        raise DocumentError(f"image has no pixels ({width}x{height})", 415)
+    try:
+        image.load()
+        return load_image(image)
+    except Image.DecompressionBombError as e:
+        raise DocumentError(f"image too large: {e}", 413, "image_too_large") from None
+    except MemoryError:
+        raise DocumentError("image too large to decode", 413, "image_too_large") from None
+    except Exception as e:  # noqa: BLE001 - truncated or corrupt data
+        raise DocumentError(f"could not decode the image: {e}", 415) from None
 
 def looks_like_pdf(data: bytes) -> bool:
     # the header may follow up to 1 KiB of junk (PDF 1.7, annex H.3); PDFium accepts that too

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 import threading
 import time
 import traceback
@@ -31,44 +30,14 @@ from typing import Callable
 import numpy as np
 from PIL import Image
 
-from ocr_latent.architecture import DTYPE_NAMES, MAX_LEVEL, NUM_CODES
+from ocr_latent.architecture import MAX_LEVEL, NUM_CODES
+from ocr_latent.serving.errors import (Cancelled, DeadlineExceeded, EngineError, Loading, ModelFailure,  # noqa: F401
+                                       Overloaded, Unavailable)
+from ocr_latent.serving.interface import EngineState, ServiceInfo
+from ocr_latent.serving.settings import Settings, settings
 from ocr_latent.serving.telemetry import Metrics
 
 log = logging.getLogger("ocr_latent.engine")
-
-
-# ----------------------------------------------------------------------------- errors
-class EngineError(Exception):
-    """A job that could not be done, for a reason a caller can act on."""
-    retry_after_s: float | None = None
-
-    def __init__(self, message: str, retry_after_s: float | None = None):
-        super().__init__(message)
-        self.message, self.retry_after_s = message, retry_after_s
-
-
-class Overloaded(EngineError):
-    """The queue is full: retry later."""
-
-
-class Unavailable(EngineError):
-    """Failed to load, or shutting down."""
-
-
-class Loading(Unavailable):
-    """Still loading: retry shortly."""
-
-
-class DeadlineExceeded(EngineError):
-    """The job did not finish before its deadline."""
-
-
-class Cancelled(EngineError):
-    """The job was cancelled by its submitter."""
-
-
-class ModelFailure(EngineError):
-    """The model raised while running a job: a bug, not the caller's fault."""
 
 
 class StartupError(RuntimeError):
@@ -76,39 +45,15 @@ class StartupError(RuntimeError):
 
 
 # ----------------------------------------------------------------------------- configuration
-def env_text(name: str, default: str | None = None) -> str | None:
-    value = os.environ.get(name)
-    return default if value is None or value.strip() == "" else value.strip()
-
-
-def env_flag(name: str) -> bool:
-    value = (env_text(name, "0") or "0").lower()
-    if value not in ("0", "1", "false", "true", "no", "yes"):
-        raise SystemExit(f"{name}={value!r}: use 1 or 0")
-    return value in ("1", "true", "yes")
-
-
-def env_number(name: str, default, kind=int, minimum=None):
-    raw = env_text(name)
-    if raw is None:
-        return default
-    try:
-        value = kind(raw)
-    except ValueError:
-        raise SystemExit(f"{name}={raw!r} is not a valid {kind.__name__}") from None
-    if minimum is not None and value < minimum:
-        raise SystemExit(f"{name}={raw!r} must be >= {minimum}")
-    return value
-
-
 @dataclass
 class EngineConfig:
-    """What the engine needs, read from the environment by `from_env` (see README "Configuration")."""
+    """What the engine needs: a typed part of serving/settings.py's Settings (see README "Configuration")."""
     model_dir: str | None = None  # MODEL_DIR: original-layout DeepSeek-OCR dir; unset = embedded nano
     quantizer: str | None = None  # QUANTIZER: quantizer .safetensors; unset = the base's default
     device: str = "cpu"  # DEVICE
     dtype: str = "float32"  # DTYPE: float32 | bf16 | fp16 (default bf16 when DEVICE is not cpu)
     prefill_dtype: str | None = None  # PREFILL_DTYPE: the prompts' precision (default: pipeline.default_prefill_dtype)
+    verify_pin: bool = False  # VERIFY_PIN=1: MODEL_DIR's sha256 checked against architecture.json
     torch_threads: int | None = None  # TORCH_THREADS
     encode_batch_window_ms: float = 5.0  # ENCODE_BATCH_WINDOW_MS
     encode_max_batch: int = 8  # ENCODE_MAX_BATCH
@@ -125,29 +70,19 @@ class EngineConfig:
     warmup_tokens: int = 4
 
     @classmethod
+    def from_settings(cls, s: Settings) -> "EngineConfig":
+        return cls(model_dir=s.model_dir, quantizer=s.quantizer, device=s.device, dtype=s.model_dtype,
+                   prefill_dtype=s.prefill_dtype, verify_pin=s.verify_pin, torch_threads=s.torch_threads,
+                   encode_batch_window_ms=s.encode_batch_window_ms, encode_max_batch=s.encode_max_batch,
+                   decode_slots=s.decode_slots, kv_cache_tokens=s.kv_cache_tokens, compile=s.compile,
+                   max_queue=s.max_queue, request_timeout_s=s.request_timeout_s, retry_after_s=s.retry_after_s,
+                   shutdown_drain_s=s.shutdown_drain_s, load_delay_s=s.test_load_delay_s,
+                   step_delay_s=s.test_step_delay_s)
+
+    @classmethod
     def from_env(cls) -> "EngineConfig":
-        # bf16 on accelerators: DeepSeek-OCR's own serving dtype, and the MoE's grouped-GEMM path
-        dtype = env_text("DTYPE", "float32" if env_text("DEVICE", "cpu") == "cpu" else "bf16").lower()
-        prefill_dtype = env_text("PREFILL_DTYPE", "").lower() or None
-        for name, value in (("DTYPE", dtype), ("PREFILL_DTYPE", prefill_dtype or "float32")):
-            if value not in DTYPE_NAMES:
-                raise SystemExit(f"{name}={value!r}: use float32, bf16 or fp16")
-        return cls(
-            model_dir=env_text("MODEL_DIR"), quantizer=env_text("QUANTIZER"), device=env_text("DEVICE", "cpu"), dtype=dtype,
-            prefill_dtype=prefill_dtype,
-            torch_threads=env_number("TORCH_THREADS", None, int, 1),
-            encode_batch_window_ms=env_number("ENCODE_BATCH_WINDOW_MS", 5.0, float, 0),
-            encode_max_batch=env_number("ENCODE_MAX_BATCH", 8, int, 1),
-            decode_slots=env_number("DECODE_SLOTS", 16, int, 1),
-            kv_cache_tokens=env_number("KV_CACHE_TOKENS", None, int, 2),
-            compile=env_flag("COMPILE"),
-            max_queue=env_number("MAX_QUEUE", 64, int, 1),
-            request_timeout_s=env_number("REQUEST_TIMEOUT_S", 120.0, float, 0.001),
-            retry_after_s=env_number("RETRY_AFTER_S", 1, int, 0),
-            shutdown_drain_s=env_number("SHUTDOWN_DRAIN_S", 8.0, float, 0),
-            load_delay_s=env_number("OCR_LATENT_TEST_LOAD_DELAY_S", 0.0, float, 0),
-            step_delay_s=env_number("OCR_LATENT_TEST_STEP_DELAY_S", 0.0, float, 0),
-        )
+        """From the environment (serving/settings.py, read once)."""
+        return cls.from_settings(settings())
 
 
 # ----------------------------------------------------------------------------- jobs
@@ -215,7 +150,7 @@ class TextStream:
 
 
 # ----------------------------------------------------------------------------- the engine
-class Engine:
+class Engine(EngineState):
     """The one thread that owns the model (see the module docstring). `on_fatal(message)` is called
     from the worker thread when the model cannot be loaded or the worker dies."""
 
@@ -237,13 +172,6 @@ class Engine:
     def start(self) -> "Engine":
         self.thread.start()
         return self
-
-    def check_ready(self) -> None:
-        """Raises Loading while loading, Unavailable when loading failed."""
-        if not self.ready:
-            if self.failed:
-                raise Unavailable(f"the model failed to load: {self.failed.splitlines()[0]}")
-            raise Loading("the model is still loading", self.s.loading_retry_after_s)
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until loaded and warmed up; raises Unavailable when loading failed (Loading on timeout)."""
@@ -274,11 +202,10 @@ class Engine:
         return self.gen.slot_tokens - self.pipeline.prompt_length(prompt)
 
     @property
-    def prompts(self) -> dict:
-        return self.pipeline.prompts if self.pipeline is not None else {}
-
-    def deadline(self, timeout_s: float | None = None) -> float:
-        return time.monotonic() + (self.s.request_timeout_s if timeout_s is None else timeout_s)
+    def info(self) -> ServiceInfo | None:
+        p = self.pipeline
+        return None if p is None else ServiceInfo(p.label, p.revision, p.device, p.quantizer_fingerprint, p.mode,
+                                                  tuple(p.prompts))
 
     def submit(self, job: Job) -> Job:
         """Queue a job; raises Loading, Unavailable (failed, shutting down) or Overloaded (queue full)."""
@@ -364,7 +291,8 @@ class Engine:
         if self.s.device.startswith("cuda") and not torch.cuda.is_available():
             raise StartupError(f"DEVICE={self.s.device} but torch {torch.__version__} sees no CUDA device: install "
                                "a CUDA build of torch==2.13.0 in .venv or use DEVICE=cpu")
-        self.pipeline = load_pipeline(self.s.model_dir, self.s.quantizer, self.s.device, self.s.dtype, self.s.prefill_dtype)
+        self.pipeline = load_pipeline(self.s.model_dir, self.s.quantizer, self.s.device, self.s.dtype, self.s.prefill_dtype,
+                                          verify=self.s.verify_pin)
         if "free" not in self.pipeline.prompts:
             raise StartupError("the model's tokenizer cannot spell the 'free' prompt")
         self.gen = self.pipeline.new_generator(self.s.decode_slots, self.s.kv_cache_tokens, self.s.compile)
@@ -406,9 +334,6 @@ class Engine:
                 continue
             out.append(job)
         return out
-
-    def deadline_error(self) -> DeadlineExceeded:
-        return DeadlineExceeded(f"the request did not finish within {self.s.request_timeout_s:g}s (REQUEST_TIMEOUT_S)")
 
     def _serve(self) -> None:
         window = self.s.encode_batch_window_ms / 1000

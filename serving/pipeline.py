@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ from ocr_latent.architecture import ARCHITECTURE, GENERATION, NUM_CODES, PROMPTS
 from ocr_latent.checkpoint import DTYPES, CheckpointError, OCRModel, load_model, verify_pin
 from ocr_latent.generation import Generator, RepetitionRule
 from ocr_latent.quantizer import ScalarCodes
+from ocr_latent.serving.settings import settings
 
 
 def base_fingerprint(model: OCRModel) -> str:
@@ -117,15 +117,16 @@ def load_quantizer(path: Path, model: OCRModel, model_dir: str | Path = "MODEL_D
 
 
 def load_pipeline(model_dir: str | None = None, quantizer: str | None = None, device: str = "cpu",
-                  dtype: str = "float32", prefill_dtype: str | None = None) -> Pipeline:
+                  dtype: str = "float32", prefill_dtype: str | None = None, verify: bool | None = None) -> Pipeline:
     """MODEL_DIR unset: the embedded nano model (weights/nano). Else an original-layout DeepSeek-OCR
     directory with the quantizer trained for it (weights/deepseek-ocr/ by default). Prompts are
-    prefilled at `prefill_dtype` (default: default_prefill_dtype)."""
+    prefilled at `prefill_dtype` (default: default_prefill_dtype). `verify`: check MODEL_DIR's sha256
+    against architecture.json's pin (default: VERIFY_PIN=1)."""
     if model_dir is None:
         model_dir, label = str(ROOT / "weights" / "nano"), "nano"
     else:
         label = Path(model_dir).name
-        if os.environ.get("VERIFY_PIN") == "1":
+        if settings().verify_pin if verify is None else verify:
             verify_pin(model_dir, ARCHITECTURE["base_model"]["pin"])
     model = load_model(model_dir, dtype, device)
     # a checkpoint in nano format (weights/nano or a copy) names its own mode; the rest is DeepSeek-OCR

@@ -21,21 +21,23 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import numpy as np
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 
-from ocr_latent.serving.engine import (Cancelled, DeadlineExceeded, DecodeResult, Engine, EngineConfig, EngineError, Loading,
-                    ModelFailure, Overloaded, Unavailable, env_number, env_text)
+from ocr_latent.serving.engine import DecodeResult, Engine, EngineConfig
+from ocr_latent.serving.errors import (Cancelled, DeadlineExceeded, EngineError, Loading, ModelFailure, Overloaded,
+                                       Unavailable)
+from ocr_latent.serving.interface import EngineState, ServiceInfo
+from ocr_latent.serving.settings import environment, settings
+from ocr_latent.serving.streaming import TextFeed
 from ocr_latent.serving.telemetry import Metrics
 
 log = logging.getLogger("ocr_latent.ray")
@@ -107,24 +109,16 @@ class EngineReplica:
 
     async def decode_stream(self, codes: np.ndarray, prompt: str, max_tokens: int):
         """Pieces of text (str) as they are generated, then the DecodeResult (or a Refused)."""
-        loop, pieces = asyncio.get_running_loop(), asyncio.Queue()
+        feed = TextFeed()
         try:
-            job = self.engine.decode(codes, prompt, max_tokens,
-                                     on_text=lambda piece: loop.call_soon_threadsafe(pieces.put_nowait, piece))
+            job = self.engine.decode(codes, prompt, max_tokens, on_text=feed.on_text)
         except EngineError as e:
             yield Refused.of(e)
             return
         result = asyncio.wrap_future(job.future)
         try:
-            while not result.done():
-                piece = asyncio.ensure_future(pieces.get())
-                done, _ = await asyncio.wait({piece, result}, return_when=asyncio.FIRST_COMPLETED)
-                if piece in done:
-                    yield piece.result()
-                else:
-                    piece.cancel()
-            while not pieces.empty():  # the last pieces are queued before the result is set
-                yield pieces.get_nowait()
+            async for piece in feed.follow(result):
+                yield piece
             try:
                 yield result.result()
             except EngineError as e:
@@ -145,14 +139,15 @@ class RemoteJob:
     response: object = None  # the Serve response in flight
 
 
-class RemoteEngine:
+class RemoteEngine(EngineState):
     """The surface of engine.Engine that server.py's endpoints use, with the work done by the `encode`
     and `decode` deployments of this Serve application. Ready once both answer and agree on the quantizer."""
 
     def __init__(self, config: EngineConfig, metrics: Metrics | None = None, on_fatal=None, app_name: str = APP_NAME):
         self.s, self.m = config, metrics or Metrics()
         self.handles = {kind: serve.get_deployment_handle(kind, app_name) for kind in ("encode", "decode")}
-        self.pipeline, self.ready, self.failed = None, False, None
+        self.info: ServiceInfo | None = None
+        self.ready, self.failed = False, None
         self.most_tokens: dict[str, int] = {}
         self.loader: asyncio.Task | None = None
 
@@ -173,7 +168,8 @@ class RemoteEngine:
             log.error("%s", self.failed)
             return
         self.most_tokens = decode.pop("max_new_tokens")
-        self.pipeline = SimpleNamespace(**{**decode, "prompts": dict.fromkeys(decode["prompts"])})
+        self.info = ServiceInfo(decode["label"], decode["revision"], decode["device"], decode["quantizer_fingerprint"],
+                                decode["mode"], tuple(decode["prompts"]))
         self.ready = True
         self.m.ready.set(1)
 
@@ -181,25 +177,9 @@ class RemoteEngine:
         if self.loader is not None:
             self.loader.get_loop().call_soon_threadsafe(self.loader.cancel)
 
-    def check_ready(self) -> None:
-        if not self.ready:
-            if self.failed:
-                raise Unavailable(f"the model failed to load: {self.failed.splitlines()[0]}")
-            raise Loading("the model is still loading", self.s.loading_retry_after_s)
-
-    @property
-    def prompts(self) -> dict:
-        return self.pipeline.prompts if self.pipeline is not None else {}
-
     def max_new_tokens(self, prompt: str = "free") -> int:
         """As Engine.max_new_tokens: what a decode replica's cache slot holds beyond the prompt."""
         return self.most_tokens[prompt]
-
-    def deadline(self, timeout_s: float | None = None) -> float:
-        return time.monotonic() + (self.s.request_timeout_s if timeout_s is None else timeout_s)
-
-    def deadline_error(self) -> DeadlineExceeded:
-        return DeadlineExceeded(f"the request did not finish within {self.s.request_timeout_s:g}s (REQUEST_TIMEOUT_S)")
 
     def encode(self, image, timeout_s: float | None = None) -> RemoteJob:
         self.check_ready()
@@ -211,7 +191,7 @@ class RemoteEngine:
                timeout_s: float | None = None, on_text=None) -> RemoteJob:
         self.check_ready()
         if prompt not in self.prompts:
-            raise ValueError(f"prompt {prompt!r} is not available for model {self.pipeline.label!r} "
+            raise ValueError(f"prompt {prompt!r} is not available for model {self.info.label!r} "
                              f"(available: {', '.join(self.prompts)})")
         if max_tokens > (most := self.max_new_tokens(prompt)):  # the replica would refuse it: a 422, not a 500
             raise ValueError(f"max_tokens={max_tokens} does not fit a decode replica's cache slot (KV_CACHE_TOKENS, "
@@ -292,7 +272,7 @@ def http_app():
         app_name = serve.get_replica_context().app_name
     except Exception:  # noqa: BLE001 - outside a replica
         app_name = APP_NAME
-    app = server.create_app(server.Settings.from_env(),
+    app = server.create_app(settings(),
                             lambda config, metrics, on_fatal: RemoteEngine(config, metrics, on_fatal, app_name))
     app.add_middleware(OneRequestId)
     return app
@@ -338,7 +318,8 @@ def build_app(encode_replicas: str | int = 1, decode_replicas: str | int = 1, en
     """The Serve application. `env`: variables for the replicas' runtime_env (None: the cluster's own,
     or the config file's runtime_env)."""
     config = EngineConfig.from_env()
-    cpus = env_number("REPLICA_CPUS", float(config.torch_threads or 1), float, 0)
+    s = settings()
+    cpus = s.replica_cpus if s.replica_cpus is not None else float(config.torch_threads or 1)
     on_gpu = config.device != "cpu"
     runtime = {"runtime_env": {"env_vars": env}} if env else {}
     drain = config.shutdown_drain_s + 2
@@ -351,47 +332,47 @@ def build_app(encode_replicas: str | int = 1, decode_replicas: str | int = 1, en
                                 health_check_period_s=5, **replicas_option(replicas),
                                 ray_actor_options={"num_cpus": cpus, "num_gpus": gpus if on_gpu else 0, **runtime}).bind()
 
-    encode = engine_deployment("encode", encode_replicas, env_number("ENCODE_GPUS", 0.25, float, 0),
+    encode = engine_deployment("encode", encode_replicas, s.encode_gpus,
                                config.encode_max_batch + config.max_queue + 1)
-    decode = engine_deployment("decode", decode_replicas, env_number("DECODE_GPUS", 0.75, float, 0),
+    decode = engine_deployment("decode", decode_replicas, s.decode_gpus,
                                config.decode_slots + config.max_queue + 1)
-    ingress = serve.deployment(HttpIngress, name="http", max_ongoing_requests=env_number("MAX_CONNECTIONS", 1000, int, 1),
+    ingress = serve.deployment(HttpIngress, name="http", max_ongoing_requests=s.max_connections,
                                graceful_shutdown_timeout_s=drain,
-                               ray_actor_options={"num_cpus": env_number("INGRESS_CPUS", 0.0, float, 0), **runtime})
+                               ray_actor_options={"num_cpus": s.ingress_cpus, **runtime})
     return ingress.bind(encode, decode)
 
 
 def build(args: dict):
     """`import_path: ray_serve:build` for `serve run` / `serve deploy` (deploy/serve-config.yaml):
     args `encode_replicas`, `decode_replicas` (default: ENCODE_REPLICAS / DECODE_REPLICAS, else 1)."""
-    return build_app(args.get("encode_replicas", env_text("ENCODE_REPLICAS", "1")),
-                     args.get("decode_replicas", env_text("DECODE_REPLICAS", "1")))
+    return build_app(args.get("encode_replicas", settings().encode_replicas),
+                     args.get("decode_replicas", settings().decode_replicas))
 
 
 def main() -> int:
     """`BACKEND=ray ./serve.sh`: a local Ray (or the cluster at RAY_ADDRESS), Serve's HTTP proxy on
     HOST:PORT, this application deployed; runs until SIGTERM/SIGINT, then removes it."""
     import ray
-    logging.basicConfig(level=env_text("LOG_LEVEL", "info").upper(),
+    s = settings()  # a bad variable stops here, with its message, before Ray starts
+    s.bearer_key()
+    logging.basicConfig(level=s.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    host, port = env_text("HOST", "127.0.0.1"), env_number("PORT", 8000, int, 0)
-    from ocr_latent import server
-    server.Settings.from_env()  # a bad variable stops here, with its message, before Ray starts
-    joined = env_text("RAY_ADDRESS") is not None
+    host, port = s.host, s.port
+    joined = s.ray_address is not None
     if joined:
-        ray.init(address=env_text("RAY_ADDRESS"))
+        ray.init(address=s.ray_address)
     else:
-        ray.init(num_cpus=env_number("RAY_NUM_CPUS", None, int, 1), include_dashboard=False,
-                 object_store_memory=env_number("RAY_OBJECT_STORE_BYTES", None, int, 80_000_000))
-    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+        ray.init(num_cpus=s.ray_num_cpus, include_dashboard=False,
+                 object_store_memory=s.ray_object_store_bytes)
+    env = environment(FORWARDED_ENV)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": host, "port": port})
-        serve.run(build_app(env_text("ENCODE_REPLICAS", "1"), env_text("DECODE_REPLICAS", "1"), env),
+        serve.run(build_app(s.encode_replicas, s.decode_replicas, env),
                   name=APP_NAME, route_prefix="/")
-        log.info("serving on http://%s:%d (Ray %s)", host, port, "cluster " + env_text("RAY_ADDRESS") if joined else "local")
+        log.info("serving on http://%s:%d (Ray %s)", host, port, "cluster " + s.ray_address if joined else "local")
         stop.wait()
         return 0
     except Exception as e:  # noqa: BLE001 - a deployment that cannot start (its replicas logged why)

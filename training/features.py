@@ -6,7 +6,7 @@ are made: an interrupted build resumes at the first missing shard, and training 
 shards already there. Each shard names the base (fingerprint), the page stream (seed) and its first
 page, so a cache is never read for towers or pages it was not made from.
 
-  python features.py --base runs/frozen-base --out runs/cache-q --pages 16384 --seed 1000
+  python -m ocr_latent.training.features --base runs/frozen-base --out runs/cache-q --pages 16384 --seed 1000
 """
 from __future__ import annotations
 

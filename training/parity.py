@@ -1,6 +1,6 @@
 """Check this project's loader and model code against outputs of the original DeepSeek-OCR code.
 
-usage: python parity.py CHECKPOINT_DIR REFERENCE_FILE [--image page.png] [--tol 1e-4]
+usage: python -m ocr_latent.training.parity CHECKPOINT_DIR REFERENCE_FILE [--image page.png] [--tol 1e-4]
 
 REFERENCE_FILE is a safetensors file with `{mode}.view/sam/clip/features/image_embeds/input_ids/
 image_mask/logits_last4/greedy_ids`; its JSON sidecar (same name, .json) lists the modes, the prompt

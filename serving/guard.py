@@ -1,0 +1,106 @@
+"""The outermost ASGI middleware (`Guard`: request ids, the API key, the body-size limit, request
+metrics) and the log formats that name the request each line was written for."""
+from __future__ import annotations
+
+import contextvars
+import hmac
+import json
+import logging
+import re
+import time
+import uuid
+
+from ocr_latent.serving.http_errors import BodyTooLarge, error_response
+from ocr_latent.serving.settings import Settings
+from ocr_latent.serving.telemetry import Metrics
+
+ENDPOINTS = ("/health", "/encode", "/decode", "/metrics")
+# the request being answered, for every log line written while answering it (X-Request-ID)
+request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+class RequestIdFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id.get()
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
+               "request_id": getattr(record, "request_id", "-"), "message": record.getMessage()}
+        if record.exc_info:
+            out["exc_info"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+PROTECTED = ("/encode", "/decode", "/metrics")  # with API_KEY set; /health stays open for probes
+
+
+def authorized(scope, api_key: str) -> bool:
+    """`Authorization: Bearer <API_KEY>`, compared in constant time."""
+    scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+class Guard:
+    """Outermost middleware: the request id (the client's X-Request-ID when well-formed, else a new one;
+    returned on the response, in every log line), the API key (401 before anything is read), the body-size
+    limit (413 from Content-Length before reading, or as soon as a streamed body passes it) and metrics."""
+
+    def __init__(self, app, settings: Settings, api_key: str | None, metrics: Metrics):
+        self.app, self.s, self.api_key, self.m = app, settings, api_key, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+        t0, state = time.perf_counter(), {"status": 500, "started": False}
+
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        rid = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        token = request_id.set(rid)
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                state["status"], state["started"] = message["status"], True
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        limit = self.s.max_body_bytes
+        too_large = error_response(413, "payload_too_large",
+                                   f"request body is larger than {limit} bytes (MAX_BODY_BYTES)")
+        try:
+            if self.api_key and scope["path"].rstrip("/") in PROTECTED and not authorized(scope, self.api_key):
+                await error_response(401, "unauthorized", "send the API key as 'Authorization: Bearer <key>' (API_KEY)",
+                                     {"WWW-Authenticate": "Bearer"})(scope, receive, send_wrapper)
+                return
+            length = dict(scope["headers"]).get(b"content-length")
+            try:
+                declared = int(length) if length is not None else None
+            except ValueError:
+                declared = None
+            if declared is not None and declared > limit:
+                await too_large(scope, receive, send_wrapper)
+                return
+            received = 0
+
+            async def receive_wrapper():
+                nonlocal received
+                message = await receive()
+                if message["type"] == "http.request":
+                    received += len(message.get("body", b""))
+                    if received > limit:
+                        raise BodyTooLarge()
+                return message
+
+            try:
+                await self.app(scope, receive_wrapper, send_wrapper)
+            except BodyTooLarge:
+                if not state["started"]:
+                    await too_large(scope, receive, send_wrapper)
+        finally:
+            self.m.requests.labels(endpoint, str(state["status"])).inc()
+            self.m.latency.labels(endpoint).observe(time.perf_counter() - t0)
+            request_id.reset(token)
