@@ -13,7 +13,7 @@ print("\n".join(project["dependencies"] + project["optional-dependencies"]["test
 PY
 echo "setup: installing pinned dependencies into .venv (first run only)" >&2
 .venv/bin/python -m pip install --disable-pip-version-check --no-compile -q -r .venv/requirements.txt
-# this project itself, editable: its modules importable from anywhere, and the `ocr-latent` command
+# this project itself, editable: the `ocr_latent` package importable from anywhere, and the `ocr-latent` command
 .venv/bin/python -m pip install --disable-pip-version-check --no-compile -q --no-deps -e .
 rm -f .venv/.deps-*
 touch "$stamp"
