@@ -3,6 +3,8 @@
   python train.py base --out runs/nano --steps 3000            # resumes from runs/nano if present
   python train.py export --run runs/nano --to weights/nano     # original-layout checkpoint
   python train.py quantizer --base weights/nano --steps 600    # -> weights/nano/quantizer.safetensors
+  python train.py quantizer --targets self --data scans/       # no transcripts: the base's own reading
+  python train.py report --data held-out/                      # codes' reading vs the uncompressed one
 
 The entry point. The nano model is defined in training/nano.py, the losses in training/losses.py, evaluation in
 training/evaluation.py, feature caches in training/features.py, the manifest in training/manifest.py; the
@@ -26,7 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from ocr_latent.training import features, quantizer_trainer
+from ocr_latent.training import features, quantizer_trainer, self_reading
 from ocr_latent.checkpoint import OCRModel, file_sha256, load_model
 from ocr_latent.training.evaluation import evaluate, pixels_of, slot_accuracy
 from ocr_latent.training.losses import order_targets, teacher_forced_loss
@@ -400,9 +402,13 @@ def main(argv=None) -> None:
     q = sub.add_parser("quantizer", help="train the quantizer of a frozen base (resumable)")
     quantizer_trainer.add_arguments(q)
     q.add_argument("--manifest", default=str(ROOT / "training_manifest.json"))
+    r = sub.add_parser("report", help="how closely the reading through the codes matches the uncompressed reading, "
+                       "page by page, for any directory of images and PDFs (no transcripts needed)")
+    self_reading.add_report_arguments(r)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    {"base": train_base, "export": export_base, "quantizer": quantizer_trainer.train_quantizer}[args.cmd](args)
+    {"base": train_base, "export": export_base, "quantizer": quantizer_trainer.train_quantizer,
+     "report": self_reading.report}[args.cmd](args)
 
 
 if __name__ == "__main__":
