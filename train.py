@@ -94,6 +94,20 @@ def curriculum(step: int, every: int) -> PageSpec:
     return PageSpec(min_lines=low, max_lines=top)
 
 
+def length_grouped_batch(lengths: list[int], batch: int, step: int, seed: int, groups: int) -> list[int]:
+    """Step `step`'s batch when each epoch's permutation is cut into runs of `groups` batches, each run
+    sorted by length and cut into batches, and the epoch's batches shuffled: every page once an epoch,
+    batches of like lengths, in an order that is a function of (seed, epoch) alone (resumable)."""
+    pages, per_epoch = len(lengths), len(lengths) // batch
+    epoch, k = divmod(step, per_epoch)
+    gen = torch.Generator().manual_seed(seed + epoch)
+    order = torch.randperm(pages, generator=gen).tolist()[:per_epoch * batch]
+    run = groups * batch
+    order = [i for s in range(0, len(order), run) for i in sorted(order[s:s + run], key=lambda i: lengths[i])]
+    batches = [order[b * batch:(b + 1) * batch] for b in range(per_epoch)]
+    return batches[torch.randperm(per_epoch, generator=gen)[k].item()]
+
+
 def cache_stream_seed(seed: int) -> int:
     """PageStream seed of the feature cache of a run with --seed `seed` (kept apart from its batches)."""
     return seed + 7
@@ -194,8 +208,13 @@ class BaseTraining:
         return pages, pixels_of(pages, self.mode)
 
     def cached_batch(self, step: int):
-        """A fresh permutation of the cache each epoch."""
-        idx = features.epoch_batch(len(self.cached_texts), self.args.batch, step, self.args.seed)
+        """A fresh permutation of the cache each epoch; with --length-groups G, pages of like length
+        share a batch (a padded batch costs as much as its longest page times its size)."""
+        args = self.args
+        if args.length_groups > 1:
+            idx = length_grouped_batch([len(t) for t in self.cached_texts], args.batch, step, args.seed, args.length_groups)
+        else:
+            idx = features.epoch_batch(len(self.cached_texts), args.batch, step, args.seed)
         return self.cached[idx].float(), [self.cached_texts[i] for i in idx]
 
     def learning_rate(self, step: int) -> float:
@@ -368,6 +387,8 @@ def main(argv=None) -> None:
     b.add_argument("--stage", choices=["joint", "encoder", "decoder"], default="joint")
     b.add_argument("--init", help="start from this model directory (e.g. an earlier stage's run)")
     b.add_argument("--cache-pages", type=int, default=2048, help="decoder stage: training pages encoded once")
+    b.add_argument("--length-groups", type=int, default=1, help="decoder stage: batch pages of like text length "
+                   "within runs of this many batches (1: no grouping)")
     b.add_argument("--batch", type=int, default=16)
     b.add_argument("--lr", type=float, default=1e-3)
     b.add_argument("--warmup", type=int, default=100)
