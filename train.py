@@ -35,7 +35,8 @@ from ocr_latent.training.losses import order_targets, teacher_forced_loss
 from ocr_latent.training.manifest import ROOT, curve_file, data_record, update_manifest
 from ocr_latent.training.nano import model_charset, new_nano, save_run
 from ocr_latent.training.recipe import code_fsq, cosine_to_tenth
-from ocr_latent.training.pages import PAGE_KINDS, PageSpec, PageStream, char_targets, load_corpus, split_documents, test_pages
+from ocr_latent.training.pages import (ORDINARY, PAGE_KINDS, PageSpec, PageStream, char_targets, load_corpus,
+                                      split_documents, test_pages)
 
 # ----------------------------------------------------------------------------- base training
 @torch.no_grad()
@@ -347,8 +348,11 @@ def export_base(args) -> None:
                                                   "start a quantizer from it with train.py quantizer --init PATH"})
     save_run(model, to)
     docs = split_documents(load_corpus())
-    val = evaluate(model, list(test_pages(args.test_pages, seed=2)),
-                   model.config["ocr_latent"]["mode"])
+    kind = meta.get("args", {}).get("pages", "small")
+    # a model of ordinary pages is tested on ordinary pages as photographed (the small-page set stays as it was)
+    test_spec, max_tokens = (None, 256) if kind == "small" else (ORDINARY, 2048)
+    val = evaluate(model, list(test_pages(args.test_pages, seed=2, spec=test_spec)),
+                   model.config["ocr_latent"]["mode"], max_tokens=max_tokens)
     # A staged run starts from another run (--init): record every stage back to the first, and the
     # manifest record of an exported model it started from, since runs/ is not kept.
     stages, init = [], run
@@ -364,8 +368,8 @@ def export_base(args) -> None:
     record = {"kind": "base model trained from scratch", "dir": str(to.resolve().relative_to(ROOT)) if to.resolve().is_relative_to(ROOT) else str(to),
               "config": model.config, "steps": sum(s["steps"] for s in stages), "wall_s": sum(s["wall_s"] for s in stages),
               "stages": stages, "seed": meta.get("seed"),
-              "data": data_record(docs, meta.get("seed", 0), PageSpec(), {"train": "stream, batch x steps",
-                                                                                               "test": args.test_pages}),
+              "data": data_record(docs, meta.get("seed", 0), PAGE_KINDS[kind], {"train": "stream, batch x steps",
+                                                                                 "test": args.test_pages}),
               "test_metrics_uncompressed": {"cer": round(val["cer"], 4), "wer": round(val["wer"], 4), "pages": val["pages"]},
               "weights_sha256": file_sha256(to / "model-00001-of-000001.safetensors")}
     for i, stage in enumerate(stages):
