@@ -3,6 +3,8 @@
   python train.py base --out runs/nano --steps 3000            # resumes from runs/nano if present
   python train.py export --run runs/nano --to weights/nano     # original-layout checkpoint
   python train.py quantizer --base weights/nano --steps 600    # -> weights/nano/quantizer.safetensors
+  python train.py quantizer --targets self --data scans/       # no transcripts: the base's own reading
+  python train.py report --data held-out/                      # codes' reading vs the uncompressed one
 
 The entry point. The nano model is defined in training/nano.py, the losses in training/losses.py, evaluation in
 training/evaluation.py, feature caches in training/features.py, the manifest in training/manifest.py; the
@@ -26,14 +28,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from ocr_latent.training import features, quantizer_trainer
+from ocr_latent.training import features, quantizer_trainer, self_reading
 from ocr_latent.checkpoint import OCRModel, file_sha256, load_model
 from ocr_latent.training.evaluation import evaluate, pixels_of, slot_accuracy
 from ocr_latent.training.losses import order_targets, teacher_forced_loss
 from ocr_latent.training.manifest import ROOT, curve_file, data_record, update_manifest
 from ocr_latent.training.nano import model_charset, new_nano, save_run
 from ocr_latent.training.recipe import code_fsq, cosine_to_tenth
-from ocr_latent.training.pages import PAGE_KINDS, PageSpec, PageStream, char_targets, load_corpus, split_documents, test_pages
+from ocr_latent.training.pages import (ORDINARY, PAGE_KINDS, PageSpec, PageStream, char_targets, load_corpus,
+                                      split_documents, test_pages)
 
 # ----------------------------------------------------------------------------- base training
 @torch.no_grad()
@@ -90,6 +93,20 @@ def curriculum(step: int, every: int) -> PageSpec:
     top = min(6, 3 + step // every) if step >= every else 3
     low = 1 if step < every else min(3, 1 + step // every)
     return PageSpec(min_lines=low, max_lines=top)
+
+
+def length_grouped_batch(lengths: list[int], batch: int, step: int, seed: int, groups: int) -> list[int]:
+    """Step `step`'s batch when each epoch's permutation is cut into runs of `groups` batches, each run
+    sorted by length and cut into batches, and the epoch's batches shuffled: every page once an epoch,
+    batches of like lengths, in an order that is a function of (seed, epoch) alone (resumable)."""
+    pages, per_epoch = len(lengths), len(lengths) // batch
+    epoch, k = divmod(step, per_epoch)
+    gen = torch.Generator().manual_seed(seed + epoch)
+    order = torch.randperm(pages, generator=gen).tolist()[:per_epoch * batch]
+    run = groups * batch
+    order = [i for s in range(0, len(order), run) for i in sorted(order[s:s + run], key=lambda i: lengths[i])]
+    batches = [order[b * batch:(b + 1) * batch] for b in range(per_epoch)]
+    return batches[torch.randperm(per_epoch, generator=gen)[k].item()]
 
 
 def cache_stream_seed(seed: int) -> int:
@@ -192,8 +209,13 @@ class BaseTraining:
         return pages, pixels_of(pages, self.mode)
 
     def cached_batch(self, step: int):
-        """A fresh permutation of the cache each epoch."""
-        idx = features.epoch_batch(len(self.cached_texts), self.args.batch, step, self.args.seed)
+        """A fresh permutation of the cache each epoch; with --length-groups G, pages of like length
+        share a batch (a padded batch costs as much as its longest page times its size)."""
+        args = self.args
+        if args.length_groups > 1:
+            idx = length_grouped_batch([len(t) for t in self.cached_texts], args.batch, step, args.seed, args.length_groups)
+        else:
+            idx = features.epoch_batch(len(self.cached_texts), args.batch, step, args.seed)
         return self.cached[idx].float(), [self.cached_texts[i] for i in idx]
 
     def learning_rate(self, step: int) -> float:
@@ -326,8 +348,11 @@ def export_base(args) -> None:
                                                   "start a quantizer from it with train.py quantizer --init PATH"})
     save_run(model, to)
     docs = split_documents(load_corpus())
-    val = evaluate(model, list(test_pages(args.test_pages, seed=2)),
-                   model.config["ocr_latent"]["mode"])
+    kind = meta.get("args", {}).get("pages", "small")
+    # a model of ordinary pages is tested on ordinary pages as photographed (the small-page set stays as it was)
+    test_spec, max_tokens = (None, 256) if kind == "small" else (ORDINARY, 2048)
+    val = evaluate(model, list(test_pages(args.test_pages, seed=2, spec=test_spec)),
+                   model.config["ocr_latent"]["mode"], max_tokens=max_tokens)
     # A staged run starts from another run (--init): record every stage back to the first, and the
     # manifest record of an exported model it started from, since runs/ is not kept.
     stages, init = [], run
@@ -343,8 +368,8 @@ def export_base(args) -> None:
     record = {"kind": "base model trained from scratch", "dir": str(to.resolve().relative_to(ROOT)) if to.resolve().is_relative_to(ROOT) else str(to),
               "config": model.config, "steps": sum(s["steps"] for s in stages), "wall_s": sum(s["wall_s"] for s in stages),
               "stages": stages, "seed": meta.get("seed"),
-              "data": data_record(docs, meta.get("seed", 0), PageSpec(), {"train": "stream, batch x steps",
-                                                                                               "test": args.test_pages}),
+              "data": data_record(docs, meta.get("seed", 0), PAGE_KINDS[kind], {"train": "stream, batch x steps",
+                                                                                 "test": args.test_pages}),
               "test_metrics_uncompressed": {"cer": round(val["cer"], 4), "wer": round(val["wer"], 4), "pages": val["pages"]},
               "weights_sha256": file_sha256(to / "model-00001-of-000001.safetensors")}
     for i, stage in enumerate(stages):
@@ -366,6 +391,8 @@ def main(argv=None) -> None:
     b.add_argument("--stage", choices=["joint", "encoder", "decoder"], default="joint")
     b.add_argument("--init", help="start from this model directory (e.g. an earlier stage's run)")
     b.add_argument("--cache-pages", type=int, default=2048, help="decoder stage: training pages encoded once")
+    b.add_argument("--length-groups", type=int, default=1, help="decoder stage: batch pages of like text length "
+                   "within runs of this many batches (1: no grouping)")
     b.add_argument("--batch", type=int, default=16)
     b.add_argument("--lr", type=float, default=1e-3)
     b.add_argument("--warmup", type=int, default=100)
@@ -400,9 +427,13 @@ def main(argv=None) -> None:
     q = sub.add_parser("quantizer", help="train the quantizer of a frozen base (resumable)")
     quantizer_trainer.add_arguments(q)
     q.add_argument("--manifest", default=str(ROOT / "training_manifest.json"))
+    r = sub.add_parser("report", help="how closely the reading through the codes matches the uncompressed reading, "
+                       "page by page, for any directory of images and PDFs (no transcripts needed)")
+    self_reading.add_report_arguments(r)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    {"base": train_base, "export": export_base, "quantizer": quantizer_trainer.train_quantizer}[args.cmd](args)
+    {"base": train_base, "export": export_base, "quantizer": quantizer_trainer.train_quantizer,
+     "report": self_reading.report}[args.cmd](args)
 
 
 if __name__ == "__main__":

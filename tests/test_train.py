@@ -166,3 +166,15 @@ def test_bottleneck_stages_fold_into_the_projector_and_start_a_quantizer(tmp_pat
                 "--manifest", str(tmp_path / "m.json")])
     started, _ = load_quantizer(out, folded)
     torch.testing.assert_close(started.proj_out.weight, fsq.proj_out.weight)
+
+
+def test_length_grouped_batches_draw_every_page_once_an_epoch_with_little_padding():
+    import random
+    lengths = [random.Random(i).randint(50, 1500) for i in range(1000)]
+    epoch = [train.length_grouped_batch(lengths, 8, step, 3, 16) for step in range(125)]
+    assert sorted(i for b in epoch for i in b) == list(range(1000))
+    assert epoch == [train.length_grouped_batch(lengths, 8, step, 3, 16) for step in range(125)]  # resumable
+    padded = lambda batches: sum(max(lengths[i] for i in b) * len(b) for b in batches) / sum(lengths)
+    ungrouped = [train.length_grouped_batch(lengths, 8, step, 3, 1) for step in range(125)]
+    assert padded(epoch) < 1.1 < 1.5 < padded(ungrouped)
+    assert train.length_grouped_batch(lengths, 8, 125, 3, 16) != epoch[0]  # the next epoch, another order

@@ -8,7 +8,9 @@ learns, from three signals:
 
 A run directory (--run) holds the quantizer, the optimiser and the curves; a stopped run resumes at
 its last save. Rendered training pages are encoded once (features.py shards); a directory of
-images with .txt transcripts (--data DIR) is encoded as it is read.
+images with .txt transcripts (--data DIR) is encoded as it is read. With --targets self the text to
+read is the base's own uncompressed reading of each page, of rendered pages or of any directory of
+images and PDFs (self_reading.py), so no transcript is needed.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from ocr_latent.training import features
+from ocr_latent.training import features, self_reading
 from ocr_latent.checkpoint import OCRModel, file_sha256, load_model
 from ocr_latent.training.evaluation import evaluate, read_pages
 from ocr_latent.training.losses import teacher_forced_logits
@@ -60,24 +62,38 @@ class TrainingData:
 
     def __init__(self, args, model: OCRModel, mode: str, docs: dict):
         self.args, self.model, self.mode = args, model, mode
+        self.features = None
+        own = args.targets == "self"
         if args.data == "pages":
             self.cache_dir = Path(args.cache_dir or Path(args.run) / "features")
             self.features, self.texts = features.load(model, args.cache_pages, args.cache_seed, self.cache_dir)
+            if own:  # the base's own reading of the same pages replaces their transcripts
+                self.texts = self_reading.cached_reading(model, self.features, self.cache_dir / "own-reading.json",
+                                                         args.target_max_tokens)
             self.record = data_record(docs, args.cache_seed, PageSpec(), {
                 "train": f"{len(self.texts)} rendered pages encoded once (features.py, stream seed {args.cache_seed})",
+                "targets": "the frozen base's own greedy uncompressed reading" if own else "the pages' text",
                 "draws": args.steps * args.batch, "val": args.val_pages, "test": args.eval_pages})
+        elif own:
+            root = Path(args.data)
+            self.features, names = self_reading.encode_directory(model, root, mode, Path(args.run) / "pages")
+            self.texts = self_reading.cached_reading(model, self.features, Path(args.run) / "pages" / "own-reading.json",
+                                                     args.target_max_tokens)
+            self.record = {"dir": str(root), "pages": len(names), "files": len({n.split("#")[0] for n in names}),
+                           "targets": "the frozen base's own greedy uncompressed reading", "draws": args.steps * args.batch}
         else:
             self.files = sorted(f for f in Path(args.data).iterdir()
                                 if f.suffix.lower() in IMAGE_SUFFIXES and f.with_suffix(".txt").exists())
             if not self.files:
-                raise SystemExit(f"--data {args.data}: no image files with a .txt transcript beside them")
+                raise SystemExit(f"--data {args.data}: no image files with a .txt transcript beside them "
+                                 f"(or train on the base's own reading: --targets self)")
             self.texts = [f.with_suffix(".txt").read_text().strip() for f in self.files]
             self.record = {"dir": str(args.data), "pages": len(self.files), "draws": args.steps * args.batch}
 
     def batch(self, step: int) -> tuple[torch.Tensor, list[str]]:
         """Step `step`'s pages: a fresh permutation of all pages each epoch."""
         idx = features.epoch_batch(len(self.texts), self.args.batch, step, self.args.seed)
-        if self.args.data == "pages":
+        if self.features is not None:
             feats = self.features[idx]
         else:
             from PIL import Image
@@ -190,7 +206,8 @@ def train_quantizer(args) -> None:
         for layer in model.decoder.layers:
             layer.forward = (lambda f: lambda *a, **k: torch.utils.checkpoint.checkpoint(f, *a, use_reentrant=False, **k))(layer.forward)
     fingerprint = base_fingerprint(model)
-    identity = {"base_fingerprint": fingerprint, "geometry": q.geometry(), "seed": args.seed, "data": args.data}
+    identity = {"base_fingerprint": fingerprint, "geometry": q.geometry(), "seed": args.seed, "data": args.data,
+                **({"targets": "self"} if args.targets == "self" else {})}
     meta = resume(run, q, opt, identity)
     if meta is None:
         initialise(args, q, data)
@@ -284,7 +301,12 @@ def add_arguments(q) -> None:
     q.add_argument("--base", default="weights/nano", help="original-layout checkpoint directory (frozen)")
     q.add_argument("--out", help="default: BASE/quantizer.safetensors (+ its .json sidecar)")
     q.add_argument("--run", help="resumable run directory (default: OUT with the suffix .run)")
-    q.add_argument("--data", default="pages", help="'pages' (rendered) or a directory of images with .txt transcripts")
+    q.add_argument("--data", default="pages", help="'pages' (rendered), or a directory: of images with .txt transcripts, "
+                   "or with --targets self of any images and PDFs")
+    q.add_argument("--targets", choices=["transcripts", "self"], default="transcripts",
+                   help="self: the frozen base's own greedy uncompressed reading of each page, read once and cached "
+                   "(no transcripts needed)")
+    q.add_argument("--target-max-tokens", type=int, default=2048, help="--targets self: longest reading of a page")
     q.add_argument("--kind", choices=["cross_token", "token"], default="cross_token",
                    help="cross_token: attention across tokens on both sides; token: one linear map (+MLP) per token")
     q.add_argument("--width", type=int, default=192, help="cross_token: transformer width")

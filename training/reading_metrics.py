@@ -1,15 +1,16 @@
-"""Reading metrics: character and word error rates (Levenshtein distance over the reference length)."""
+"""Reading metrics: character and word error rates (Levenshtein distance over the reference length).
+
+The distance is rapidfuzz's C implementation (unit costs for insertion, deletion and substitution),
+over characters for CER and over whitespace-separated words for WER: an ordinary page of 1,000
+characters is a million cells of the dynamic programme, too slow in pure Python for evaluating
+hundreds of pages."""
 from __future__ import annotations
+
+from rapidfuzz.distance import Levenshtein
 
 
 def edit_distance(a, b) -> int:
-    prev = list(range(len(b) + 1))
-    for i, x in enumerate(a, 1):
-        cur = [i]
-        for j, y in enumerate(b, 1):
-            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (x != y)))
-        prev = cur
-    return prev[-1]
+    return Levenshtein.distance(a, b)
 
 
 def cer(hyp: str, ref: str) -> float:
