@@ -275,6 +275,10 @@ async def decode_file(request: Request, engine: EngineLike, data: bytes, prompt:
     except CodesFileError as e:
         raise ApiError(422, "invalid_codes_file", str(e)) from None
     check_quantizer(engine, doc.quantizer)
+    if doc.mode != engine.info.mode:  # the quantizer's geometry fixes the mode: a file that disagrees is damaged
+        raise ApiError(422, "invalid_codes_file", f"the codes file says its pages were encoded in view mode "
+                                                  f"{doc.mode}, but quantizer {doc.quantizer} makes codes of mode "
+                                                  f"{engine.info.mode}: the file is damaged")
     if not doc.pages:
         raise ApiError(422, "invalid_codes_file", "the codes file holds no pages")
     if len(doc.pages) > max_pages:

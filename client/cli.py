@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if failed else 0
 
     from ocr_latent.client import Client, ClientError
-    from ocr_latent.client.codesfile import SUFFIX, CodesFile, CodesFileError
+    from ocr_latent.client.codesfile import SUFFIX, CodesFile, CodesFileError, raw_codes_file
     url = args.url or settings().url  # $OCR_LATENT_URL, else http://127.0.0.1:8000
     api_key = args.api_key if args.api_key is not None else settings().client_api_key
     try:
@@ -109,9 +109,13 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 raw = sys.stdin.buffer.read() if args.input == "-" else read_input(Path(args.input))
                 try:
-                    doc = CodesFile.from_bytes(raw)
+                    doc = raw_codes_file(raw, client.health) or CodesFile.from_bytes(raw)
                 except CodesFileError as e:
                     raise SystemExit(f"ocr-latent: {args.input}: {e}") from None
+                if doc.quantizer_unchecked:
+                    print(f"ocr-latent: {args.input}: bare codes ({len(raw)} bytes) name no quantizer: read with the "
+                          f"server's ({doc.quantizer}); a codes file from `ocr-latent encode` would be checked",
+                          file=sys.stderr)
                 decode(client, doc, args)
     except ClientError as e:
         print(f"ocr-latent: {e}", file=sys.stderr)
