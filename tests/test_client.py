@@ -19,10 +19,9 @@ from ocr_latent.client import ApiError, Client, Unreachable
 from ocr_latent.client.codesfile import HEADER, MEDIA_TYPE, CodesFile, CodesFileError
 from ocr_latent.serving.documents import DocumentError, parse_pages
 from ocr_latent.training.reading_metrics import cer
+from conftest import ROOT, assert_error, free_port, metric, png_bytes, serving
 from ocr_latent.training.pages import test_pages
-from test_server import assert_error, free_port, metric, png_bytes, serving
 
-ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key-0123"
 MAX_PAGES = 3
 

@@ -11,7 +11,7 @@ import torch
 from ocr_latent.training import quantizer_trainer as quantizer_training
 from ocr_latent import train
 from ocr_latent.checkpoint import load_model
-from conftest import ROOT, needs_shared
+from conftest import ROOT, Server, needs_shared
 from ocr_latent.training.pages import PageSpec, PageStream, load_corpus, split_documents
 from ocr_latent.quantizer import FSQ, CrossTokenFSQ, ScalarCodes, code_usage
 
@@ -163,7 +163,6 @@ def test_the_original_format_trains_a_quantizer_then_serves_with_it(tmp_path):
     """`train.py quantizer` on an original-layout checkpoint (the real model's format at small sizes),
     from a directory of page images with transcripts; the server then loads that checkpoint with the
     quantizer it wrote and answers /encode and /decode."""
-    from test_server import Server
     base = parity_with_tokenizer(tmp_path)
     pages_dir = tmp_path / "pages"
     pages_dir.mkdir()

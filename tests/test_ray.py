@@ -24,58 +24,11 @@ import httpx
 import pytest
 import pyarrow.parquet as pq
 
+from conftest import RAY, Server, png_bytes
 from ocr_latent.training.pages import test_pages
-from test_server import ROOT, Server, free_port, png_bytes
 
 SHORT = 48  # max_tokens where many decodes run: the same prefix of the text, and a bounded test time
 LIMITS = {"MAX_BODY_BYTES": 1_000_000, "TORCH_THREADS": 1, "LOG_LEVEL": "warning"}
-
-
-class RayServer(Server):
-    """`python ray_serve.py` (what `BACKEND=ray ./serve.sh` runs) in its own session, so that stopping it
-    can end what Ray started if its own shutdown hangs."""
-
-    def __init__(self, tmp: Path, name: str, **env):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp / f"{name}.log"
-        full_env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(self.port), **{k: str(v) for k, v in env.items()}}
-        full_env.pop("RAY_ADDRESS", None)
-        self.log_file = open(self.log_path, "w")
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "ocr_latent.serving.ray_serve"], cwd=ROOT, env=full_env, stdout=self.log_file,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        self.health_history, self.startup_s = [], None
-
-    def wait_healthy(self, timeout: float) -> None:
-        """Until Serve's proxy has the ingress replica it answers 404 (text) itself: documented, skipped here;
-        from then on /health must answer as the plain server's does (503 loading, then 200)."""
-        deadline = self.started + timeout
-        with httpx.Client(timeout=5.0) as c:
-            while time.monotonic() < deadline:
-                assert self.proc.poll() is None, f"ray_serve.py exited with {self.proc.returncode}:\n{self.log()}"
-                try:
-                    r = c.get(self.url + "/health")
-                except httpx.TransportError:
-                    r = None
-                if r is not None and r.headers.get("content-type") == "application/json":
-                    assert r.status_code == 200 or r.json() == {"status": "loading"} and "retry-after" in r.headers
-                    if r.status_code == 200:
-                        return
-                time.sleep(0.2)
-        raise AssertionError(f"not healthy within {timeout}s:\n{self.log()}")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        if not self.log_file.closed:
-            self.log_file.close()
-        return self.proc.returncode
 
 
 def replica_pids(deployment: str) -> list[int]:
@@ -96,8 +49,8 @@ def replica_pids(deployment: str) -> list[int]:
 def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ray")
     plain = Server(tmp, "plain", **LIMITS)
-    ray = RayServer(tmp, "ray", **LIMITS, ENCODE_REPLICAS=1, DECODE_REPLICAS=2, REPLICA_CPUS=0.5, RAY_NUM_CPUS=2,
-                    RAY_OBJECT_STORE_BYTES=100_000_000)
+    ray = Server(tmp, "ray", RAY, **LIMITS, ENCODE_REPLICAS=1, DECODE_REPLICAS=2, REPLICA_CPUS=0.5, RAY_NUM_CPUS=2,
+                 RAY_OBJECT_STORE_BYTES=100_000_000, RAY_ADDRESS=None)  # a local Ray of its own
     try:
         plain.wait_healthy(60)
         ray.wait_healthy(240)

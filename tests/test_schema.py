@@ -14,7 +14,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (content_type_conformance, positive_data_acceptance,
                                                response_schema_conformance, status_code_conformance)
 
-from test_server import serving
+from conftest import serving
 
 BINARY = ("image/", "application/pdf", "application/octet-stream", "application/vnd.ocr-latent.codes",
           "multipart/form-data")

@@ -13,8 +13,6 @@ make every decode step ~50x slower.
 from __future__ import annotations
 
 import base64
-import contextlib
-import io
 import json
 import re
 import os
@@ -32,8 +30,7 @@ import httpx
 import pytest
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
-
+from conftest import ROOT, SERVE_SH, Server, assert_error, free_port, metric, png_bytes, serving
 from ocr_latent.training.pages import test_pages
 from ocr_latent.quantizer import unpack
 from ocr_latent.training.reading_metrics import cer
@@ -47,71 +44,6 @@ ROUND_TRIP_CER_LIMIT = 0.16
 
 
 # ----------------------------------------------------------------------------- servers
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`python server.py` in a subprocess; records /health answers while it starts."""
-
-    def __init__(self, tmp: Path, name: str, **env):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp / f"{name}.log"
-        full_env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(self.port), "TORCH_THREADS": "1",
-                    "LOG_LEVEL": "warning", **{k: str(v) for k, v in env.items()}}
-        self.log_file = open(self.log_path, "w")
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "server.py"], cwd=ROOT, env=full_env,
-                                     stdout=self.log_file, stderr=subprocess.STDOUT)
-        self.health_history: list[tuple[int, dict, dict]] = []  # (status, body, headers)
-        self.startup_s: float | None = None
-
-    def log(self) -> str:
-        return self.log_path.read_text()[-4000:]
-
-    def wait_healthy(self, timeout: float = 30.0) -> None:
-        deadline = self.started + timeout
-        with httpx.Client(timeout=2.0) as c:
-            while time.monotonic() < deadline:
-                assert self.proc.poll() is None, f"server exited with {self.proc.returncode}:\n{self.log()}"
-                try:
-                    r = c.get(self.url + "/health")
-                except httpx.TransportError:
-                    time.sleep(0.05)
-                    continue
-                self.health_history.append((r.status_code, r.json(), dict(r.headers)))
-                if r.status_code == 200:
-                    self.startup_s = time.monotonic() - self.started
-                    return
-                time.sleep(0.05)
-        raise AssertionError(f"not healthy within {timeout}s:\n{self.log()}")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log_file.close()
-        return self.proc.returncode
-
-
-@contextlib.contextmanager
-def serving(tmp: Path, name: str, timeout: float = 60.0, **env):
-    """A healthy server for the block, stopped after it."""
-    srv = Server(tmp, name, **env)
-    try:
-        srv.wait_healthy(timeout)
-        yield srv
-    finally:
-        srv.stop()
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     with serving(tmp_path_factory.mktemp("server"), "nano", 30, OCR_LATENT_TEST_LOAD_DELAY_S=1.0, MAX_BODY_BYTES=BODY_LIMIT,
@@ -151,12 +83,6 @@ def held_out():
     return [stream[i] for i in range(16)]
 
 
-def png_bytes(image: Image.Image, fmt: str = "PNG", **kw) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, fmt, **kw)
-    return buf.getvalue()
-
-
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
@@ -171,26 +97,6 @@ def decode(client, codes, max_tokens: int, **kw) -> dict:
     r = client.post("/decode", json={"codes": list(map(int, codes)), "max_tokens": max_tokens, **kw})
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def assert_error(r: httpx.Response, status: int) -> dict:
-    assert r.status_code == status, (r.status_code, r.text)
-    body = r.json()
-    assert set(body) == {"error"} and isinstance(body["error"]["type"], str), body
-    assert isinstance(body["error"]["message"], str) and body["error"]["message"], body
-    return body["error"]
-
-
-def metric(client, name: str, **labels) -> float:
-    """Sum of the samples of `name` (exact) whose labels include `labels`."""
-    total = 0.0
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        head, _, value = line.rpartition(" ")
-        if head.split("{")[0] == name and all(f'{k}="{v}"' in head for k, v in labels.items()):
-            total += float(value)
-    return total
 
 
 # ----------------------------------------------------------------------------- health and startup
@@ -635,24 +541,13 @@ def test_deadline_gives_504(slow):
 def test_missing_quantizer_is_a_clear_startup_error(tmp_path):
     """serve.sh with a quantizer that does not exist: non-zero exit, the reason and the fix on stderr,
     and /health never said ok."""
-    port = free_port()
-    env = {**os.environ, "PORT": str(port), "HOST": "127.0.0.1", "TORCH_THREADS": "1",
-           "QUANTIZER": str(tmp_path / "missing.safetensors")}
-    proc = subprocess.Popen(["bash", str(ROOT / "serve.sh")], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    seen = []
-    deadline = time.monotonic() + 60
-    with httpx.Client(timeout=1) as c:
-        while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                seen.append(c.get(f"http://127.0.0.1:{port}/health").status_code)
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-    if proc.poll() is None:
-        proc.kill()
-    out = proc.communicate()[0]
-    assert proc.returncode not in (0, None), out
+    srv = Server(tmp_path, "serve-sh", SERVE_SH, cwd=tmp_path, LOG_LEVEL=None,  # a user's environment otherwise
+                 QUANTIZER=tmp_path / "missing.safetensors")
+    srv.wait(60)  # /health until the process exits (or says ok, or 60 s pass)
+    srv.stop()
+    out = srv.log_path.read_text()
+    seen = [status for status, _, _ in srv.health_history]
+    assert srv.proc.returncode not in (0, None), out
     assert "missing.safetensors" in out and "QUANTIZER" in out and "train.py quantizer" in out, out
     assert 200 not in seen
 
