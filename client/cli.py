@@ -26,11 +26,24 @@ from ocr_latent.serving.settings import settings
 PAGE_SEPARATOR = "\f\n"  # between pages of decoded text, as pdftotext separates pages
 
 
+SERVE_EPILOG = """\
+  HOST, PORT                 where to listen (127.0.0.1, 8000)
+  API_KEY, API_KEY_FILE      require Authorization: Bearer <key> on /encode, /decode, /metrics
+  MODEL_DIR, QUANTIZER       an original-layout DeepSeek-OCR directory and its quantizer (default: embedded nano)
+  DEVICE, DTYPE              cpu, cuda, cuda:1 ...; float32, bf16, fp16
+  DECODE_SLOTS, KV_CACHE_TOKENS, COMPILE, ENCODE_BATCH_WINDOW_MS, ENCODE_MAX_BATCH   batching
+  MAX_QUEUE, REQUEST_TIMEOUT_S, MAX_BODY_BYTES, MAX_IMAGE_PIXELS, MAX_PAGES            limits
+  LOG_LEVEL, ACCESS_LOG, LOG_FORMAT, BACKEND (local or ray)
+Every variable, its default and meaning: README.md, "Configuration" (serving/settings.py)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog="ocr-latent", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("serve", help="serve the HTTP API on HOST:PORT (default 127.0.0.1:8000)")
+    sub.add_parser("serve", help="serve the HTTP API on HOST:PORT (default 127.0.0.1:8000)", epilog=SERVE_EPILOG,
+                   description="Serve the HTTP API. Configured by environment variables only:",
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     sub.add_parser("train", help="train.py's commands (ocr-latent train --help)", add_help=False)
 
     remote = argparse.ArgumentParser(add_help=False)
@@ -66,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = ap.parse_known_args(argv)
     if args.cmd == "train":
         from ocr_latent import train
-        train.main(rest)
+        train.main(rest, prog="ocr-latent train")
         return 0
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -99,12 +112,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(client.health()))
             elif args.cmd == "encode":
                 data = read_input(args.input)
-                doc = client.encode(data, args.pages)
                 out = args.output or str(args.input.with_suffix(SUFFIX))
+                if out != "-" and not Path(out).resolve().parent.is_dir():  # before the server's work, not after
+                    raise SystemExit(f"ocr-latent: cannot write {out}: no directory {Path(out).parent}")
+                doc = client.encode(data, args.pages)
                 if out == "-":
                     sys.stdout.buffer.write(doc.to_bytes())
                 else:
-                    Path(out).write_bytes(doc.to_bytes())
+                    write_output(Path(out), doc.to_bytes())
                     print(f"{out}: {len(doc.pages)} page(s) of 4096 codes, quantizer {doc.quantizer}", file=sys.stderr)
             else:
                 raw = sys.stdin.buffer.read() if args.input == "-" else read_input(Path(args.input))
@@ -123,6 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `ocr-latent decode x.olc | head`
         return 0
     return 0
+
+
+def write_output(path: Path, data: bytes) -> None:
+    try:
+        path.write_bytes(data)
+    except OSError as e:
+        raise SystemExit(f"ocr-latent: cannot write {path}: {e.strerror or e}") from None
 
 
 def read_input(path: Path) -> bytes:

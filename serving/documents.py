@@ -45,8 +45,8 @@ def open_image(data: bytes, max_pixels: int) -> Image.Image:
         image = Image.open(io.BytesIO(data), formats=[f for f in IMAGE_FORMATS if f in Image.OPEN])
     except Image.DecompressionBombError as e:
         raise DocumentError(f"image too large: {e}", 413, "image_too_large") from None
-    except Exception as e:  # noqa: BLE001 - UnidentifiedImageError, or a plugin choking on bad bytes
-        raise DocumentError(f"not a supported image ({', '.join(IMAGE_FORMATS)}): {e}", 415) from None
+    except Exception:  # noqa: BLE001 - UnidentifiedImageError, or a plugin choking on bad bytes
+        raise DocumentError(f"not a supported image ({', '.join(IMAGE_FORMATS)}) or a PDF", 415) from None
     width, height = image.size
     if width * height > max_pixels:
         raise DocumentError(f"image is {width}x{height} = {width * height} pixels; the limit "
@@ -61,11 +61,25 @@ def open_image(data: bytes, max_pixels: int) -> Image.Image:
     except MemoryError:
         raise DocumentError("image too large to decode", 413, "image_too_large") from None
     except Exception as e:  # noqa: BLE001 - truncated or corrupt data
-        raise DocumentError(f"could not decode the image: {e}", 415) from None
+        raise DocumentError(f"could not decode the image: {plain(e)}", 415) from None
+
+IMAGE_SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a", b"II*\x00", b"MM\x00*", b"BM")
+
 
 def looks_like_pdf(data: bytes) -> bool:
-    # the header may follow up to 1 KiB of junk (PDF 1.7, annex H.3); PDFium accepts that too
+    """A PDF starts with %PDF-, or has it within its first KiB after junk (PDF 1.7, annex H.3; PDFium
+    accepts that too) while not starting as an image does: an image whose metadata mentions
+    "%PDF-1.7" is still an image."""
+    if data.startswith(PDF_MAGIC):
+        return True
+    if data.startswith(IMAGE_SIGNATURES) or data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return False
     return PDF_MAGIC in data[:1024]
+
+
+def plain(error: Exception) -> str:
+    """A library's message for a user: without object reprs ("<_io.BytesIO object at 0x7f...>")."""
+    return re.sub(r"\s*<[^<>]* at 0x[0-9a-f]+>", "", str(error)).strip() or type(error).__name__
 
 
 def parse_pages(spec: str | None, count: int) -> list[int]:
@@ -77,13 +91,13 @@ def parse_pages(spec: str | None, count: int) -> list[int]:
     for part in spec.split(","):
         m = re.fullmatch(r"\s*(\d{1,9})\s*(?:(-)\s*(\d{1,9})?\s*)?", part)
         if not m:
-            raise DocumentError(f"pages={spec!r}: use page numbers and ranges like 1-3,5 (1-based)", 422)
+            raise DocumentError(f'pages="{spec}": use page numbers and ranges like 1-3,5 or 2- (1-based)', 422)
         first = int(m.group(1))
         last = (int(m.group(3)) if m.group(3) else count) if m.group(2) else first
         if first < 1 or last < first:
-            raise DocumentError(f"pages={spec!r}: {part.strip()!r} is not a range of pages from 1 up", 422)
+            raise DocumentError(f'pages="{spec}": {part.strip()} is not a range of pages from 1 up', 422)
         if last > count:
-            raise DocumentError(f"pages={spec!r}: the document has {count} page(s)", 422)
+            raise DocumentError(f'pages="{spec}": the document has {count} page(s)', 422)
         out.extend(range(first - 1, last))
     return out
 
@@ -113,7 +127,11 @@ def render_pdf(data: bytes, mode: str, pages: str | None = None, max_pages: int 
                                     f"choose some with pages=, e.g. pages=1-{max_pages}", 413)
             out = []
             for index in chosen:
-                page = pdf[index]
+                try:
+                    page = pdf[index]
+                except Exception:  # noqa: BLE001 - PdfiumError: /Count beyond the pages there are, a looping page tree
+                    raise DocumentError(f"page {index + 1} of the PDF cannot be loaded: its page tree is damaged "
+                                        f"(it claims {count} pages)", 422) from None
                 try:
                     width, height = page.get_size()  # points, rotation applied
                     if not (width > 0 and height > 0):

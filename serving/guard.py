@@ -39,8 +39,12 @@ PROTECTED = ("/encode", "/decode", "/metrics")  # with API_KEY set; /health stay
 
 
 def authorized(scope, api_key: str) -> bool:
-    """`Authorization: Bearer <API_KEY>`, compared in constant time."""
-    scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1").partition(" ")
+    """Exactly one `Authorization: Bearer <API_KEY>`, compared in constant time (with two, proxies and
+    this server could each believe another one)."""
+    given = [value for name, value in scope["headers"] if name == b"authorization"]
+    if len(given) != 1:
+        return False
+    scheme, _, token = given[0].decode("latin-1").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
 
 

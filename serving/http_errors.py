@@ -42,11 +42,20 @@ HTTP_ERROR_TYPES = {400: "bad_request", 404: "not_found", 405: "method_not_allow
                     415: "unsupported_media_type", 422: "invalid_request", 503: "unavailable"}
 
 
+# what a field that failed its pattern should look like, in words (a message never shows the regex)
+PATTERN_HINTS = {"pages": "use page numbers and ranges like 1-3,5 or 2- (1-based)",
+                 "quantizer": "a quantizer fingerprint is 16 lowercase hex digits, as /encode and /health give it",
+                 "codes_b64": "2,048 bytes as base64"}
+
+
 def validation_message(exc: ValidationError | RequestValidationError) -> str:
     parts = []
     for e in exc.errors():
         loc = ".".join(str(x) for x in e.get("loc", ()) if x not in ("body",))
         msg = e.get("msg", "invalid").removeprefix("Value error, ")
+        if e.get("type") == "string_pattern_mismatch":
+            field = str(e.get("loc", ("",))[-1])
+            msg = PATTERN_HINTS.get(field, "not in the expected format")
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts[:5]) + (f" (and {len(parts) - 5} more)" if len(parts) > 5 else "")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import sys
 from typing import Callable
 
@@ -107,6 +108,9 @@ def run(create_app: Callable[..., object]) -> int:
                             http=header_timeout_protocol(settings.header_timeout_s),
                             limit_concurrency=settings.max_connections)
     server = Server(config)
+    # uvicorn raises the signal that stopped it again once it has shut down; with this handler in place
+    # a SIGTERM ends in a clean exit (status 0) instead of death by the signal
+    signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown

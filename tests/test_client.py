@@ -35,11 +35,11 @@ def random_file(pages: int = 2, seed: int = 0) -> CodesFile:
 def test_codes_file_round_trips_and_has_the_documented_layout():
     doc = random_file(3)
     data = doc.to_bytes()
-    assert data[:4] == b"OLC1" and len(data) == 20 + len("base") + 3 * 2048
-    assert data[4] == 1 and data[5] == 4 and int.from_bytes(data[6:8], "little") == 2048
+    assert data[:4] == b"OLC1" and len(data) == 24 + len("base") + 3 * (2048 + 4)
+    assert data[4] == 2 and data[5] == 4 and int.from_bytes(data[6:8], "little") == 2048
     assert int.from_bytes(data[8:12], "little") == 3 and data[12:20].hex() == "0123456789abcdef"
     assert data[20:24] == b"base"
-    assert data[24] == (int(doc.pages[0][0]) << 4 | int(doc.pages[0][1]))  # first code in the high nibble
+    assert data[28] == (int(doc.pages[0][0]) << 4 | int(doc.pages[0][1]))  # first code in the high nibble
     back = CodesFile.from_bytes(data)
     assert back.quantizer == doc.quantizer and back.mode == "base"
     assert all(np.array_equal(a, b) for a, b in zip(back.pages, doc.pages))
@@ -49,11 +49,11 @@ def test_codes_file_round_trips_and_has_the_documented_layout():
     (lambda d: d[:-1], "truncated"),
     (lambda d: d + b"\0", "truncated or padded"),
     (lambda d: b"PNG1" + d[4:], "does not start with OLC1"),
-    (lambda d: d[:4] + b"\x02" + d[5:], "version 2"),
+    (lambda d: d[:4] + b"\x03" + d[5:], "version 3"),
     (lambda d: d[:6] + (1024).to_bytes(2, "little") + d[8:], "1024 bytes per page"),
     (lambda d: d[:8] + (3).to_bytes(4, "little") + d[12:], "promises 3 page(s)"),
     (lambda d: d[:HEADER.size - 3], "does not start with OLC1"),
-    (lambda d: d[:20] + b"\xff\xfe\xfd\xfc" + d[24:], "not ASCII"),
+    (lambda d: d[:20] + b"\xff\xfe\xfd\xfc" + d[24:], "header is damaged"),
 ])
 def test_damaged_codes_files_are_refused_with_a_reason(damage, message):
     with pytest.raises(CodesFileError, match=message.replace("(", r"\(").replace(")", r"\)")):
