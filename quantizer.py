@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from ocr_latent.client.codesfile import pack, unpack  # noqa: F401 - the wire format, kept where it is documented
+from ocr_latent.architecture import pack, unpack  # noqa: F401 - the wire format
 
 
 class ScalarCodes(nn.Module):

@@ -21,7 +21,6 @@ import json
 import sys
 from pathlib import Path
 
-from ocr_latent.serving.settings import settings
 
 PAGE_SEPARATOR = "\f\n"  # between pages of decoded text, as pdftotext separates pages
 
@@ -77,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     bdec.add_argument("--max-tokens", type=int, default=4096)
 
     args, rest = ap.parse_known_args(argv)
+    from ocr_latent.serving.settings import settings  # here, not at import: client/ starts without the service
     if args.cmd == "train":
         from ocr_latent import train
         train.main(rest, prog="ocr-latent train")
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "serve":
         backend = settings().backend.lower()
         if backend not in ("local", "ray"):
-            raise SystemExit(f"ocr-latent: BACKEND={backend!r}: use local (one process, the default) or ray (Ray Serve)")
+            raise SystemExit(f"ocr-latent: BACKEND={backend}: use local (one process, the default) or ray (Ray Serve)")
         if backend == "ray":
             from ocr_latent.serving import ray_serve
             return ray_serve.main()

@@ -28,14 +28,13 @@ here. docs/codes-file.md has the same.
 """
 from __future__ import annotations
 
-import re
 import struct
 import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
-from ocr_latent.architecture import MAX_LEVEL, NUM_CODES, PACKED_BYTES
+from ocr_latent.architecture import FINGERPRINT, MAX_LEVEL, NUM_CODES, PACKED_BYTES, pack, unpack  # noqa: F401
 
 MAGIC = b"OLC1"
 VERSION = 2  # what is written; 1 is still read
@@ -45,20 +44,6 @@ MEDIA_TYPE = "application/vnd.ocr-latent.codes"
 SUFFIX = ".olc"
 HEADER = struct.Struct("<4sBBHI8s")
 CRC = struct.Struct("<I")
-FINGERPRINT = re.compile(r"[0-9a-f]{16}")
-
-
-def pack(codes) -> bytes:
-    """4096 codes in 0..15 -> 2048 bytes, two codes a byte, the first in the high nibble."""
-    c = np.asarray(codes, dtype=np.uint8).reshape(-1)
-    if c.size % 2 or c.max(initial=0) > 15:
-        raise ValueError("pack needs an even number of codes in 0..15")
-    return ((c[0::2] << 4) | c[1::2]).astype(np.uint8).tobytes()
-
-
-def unpack(data: bytes) -> np.ndarray:
-    b = np.frombuffer(data, dtype=np.uint8)
-    return np.stack([b >> 4, b & 15], axis=1).reshape(-1)
 
 
 class CodesFileError(ValueError):

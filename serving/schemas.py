@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
 from ocr_latent.architecture import BITS_PER_CODE, MAX_LEVEL, NUM_CODES, PACKED_BYTES, PROMPTS
-from ocr_latent.client.codesfile import FINGERPRINT
+from ocr_latent.architecture import FINGERPRINT
 
 MAX_TOKENS = 8192
 PAGES_PATTERN = r"^\s*\d+\s*(-\s*\d*\s*)?(,\s*\d+\s*(-\s*\d*\s*)?)*$"  # documents.parse_pages

@@ -66,16 +66,10 @@ FLOOR_NAMES = ("the model", "serving/ and training/", "the faces")
 OFF_THE_FLOORS = {"ocr_latent", "ocr_latent.corpus.make_corpus", "ocr_latent.examples.make_examples"}
 # what training/ may import of its sibling serving/: the model's own reading of its inputs
 TRAINING_MAY_IMPORT = {"ocr_latent.serving.pipeline", "ocr_latent.serving.documents"}
-# Imports the code has today that the rules forbid (reported, not yet fixed), named here so that the
-# tests fail on any new one and on any of these that is gone (then delete its line).
-KNOWN_UPWARD = {
-    ("ocr_latent.quantizer", "ocr_latent.client.codesfile"),  # the model re-exports pack/unpack from a face
-    ("ocr_latent.serving.schemas", "ocr_latent.client.codesfile"),  # serving takes FINGERPRINT from a face
-}
-KNOWN_CLIENT = {
-    ("ocr_latent.client.codesfile", "ocr_latent.architecture"),  # NUM_CODES, MAX_LEVEL, PACKED_BYTES
-    ("ocr_latent.client.cli", "ocr_latent.serving.settings"),  # OCR_LATENT_URL, OCR_LATENT_API_KEY
-}
+# Imports a rule forbids that stay, each with its reason (a test fails on any other, and on one gone).
+KNOWN_UPWARD: set[tuple[str, str]] = set()
+# architecture.py: the contract's constants and the codes' wire format, torch-free, read by both ends of the wire
+KNOWN_CLIENT = {("ocr_latent.client.codesfile", "ocr_latent.architecture")}
 
 
 def module_level_imports(path: Path) -> set[str]:
