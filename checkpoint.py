@@ -120,8 +120,12 @@ def read_config(model_dir: str | Path) -> dict:
 
 
 def build_modules(cfg: dict, device: str | torch.device = "meta") -> tuple[DeepEncoder, Decoder]:
+    try:
+        decoder_config = DecoderConfig.from_config(cfg)
+    except ValueError as e:  # a value this decoder does not implement: refused before any weight is read
+        raise CheckpointError(str(e)) from None
     with torch.device(device):
-        return DeepEncoder(VisionConfig.from_config(cfg)), Decoder(DecoderConfig.from_config(cfg))
+        return DeepEncoder(VisionConfig.from_config(cfg)), Decoder(decoder_config)
 
 
 @torch.no_grad()

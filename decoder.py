@@ -14,6 +14,7 @@ slots, CUDA graphs, the repetition rule) is generation.py's `Generator`.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -59,9 +60,22 @@ class DecoderConfig:
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 8192  # RoPE table length, and the longest sequence a generator holds
 
+    # Keys this decoder does not read, with the values it implements (None: absent, the code default). A
+    # checkpoint with group-limited routing, renormalised top-k, scaled RoPE, MLA, biases or another
+    # activation would load and read wrong text; it is refused, naming the key.
+    IMPLEMENTS = {"topk_method": ("greedy", None), "norm_topk_prob": (False, None), "scoring_func": ("softmax", None),
+                  "rope_scaling": (None,), "hidden_act": ("silu", None), "attention_bias": (False, None),
+                  "use_mla": (False, None), "kv_lora_rank": (None,), "q_lora_rank": (None,), "moe_layer_freq": (1, None)}
+
     @classmethod
     def from_config(cls, cfg: dict) -> "DecoderConfig":
         # the original builds DeepseekV2Config from the *top-level* keys; absent ones take code defaults
+        for key, values in cls.IMPLEMENTS.items():
+            if cfg.get(key) not in values:
+                shown = " or ".join("absent" if v is None else json.dumps(v) for v in values)
+                raise ValueError(f"config.json: {key} is {json.dumps(cfg.get(key))}; this decoder implements only "
+                                 f"{shown} (DeepSeek-OCR's values) and would read wrong text with it")
+        # with greedy routing the reference ignores n_group/topk_group (they matter to group_limited_greedy only)
         return cls(**{k: cfg[k] for k in cls.__dataclass_fields__ if cfg.get(k) is not None})
 
     @property
