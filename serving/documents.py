@@ -1,12 +1,15 @@
 """Documents as page images: an image file opened within its limits (`open_image`), and PDF pages
 rendered with PDFium (pypdfium2) at the size the encoder's view mode takes.
 
-PDFium is not thread-safe, not even across documents: every call into it, closing included, runs
-under one process-wide lock. Rendering is sized from the page's own dimensions, so a hostile page
-size cannot make a huge bitmap.
+PDFium runs in worker processes (serving/pdf_worker.py), never in this one: each has a memory limit, and
+each answer a deadline, after which the worker is killed and replaced, so a PDF that draws without end
+costs a worker, not the server (and PDFium, which is not thread-safe, is only ever called from one
+thread of a worker). Rendering is sized from the page's own dimensions, so a hostile page size cannot
+make a huge bitmap.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import re
 import threading
@@ -14,9 +17,11 @@ import threading
 from PIL import Image
 
 from ocr_latent.encoder import MODES, load_image
+from ocr_latent.serving.pdf_worker import Cancelled, Limits, PdfPool, RenderError
 
 PDF_MAGIC = b"%PDF-"
-_pdfium_lock = threading.Lock()
+_pool: PdfPool | None = None
+_pool_lock = threading.Lock()
 
 
 class DocumentError(ValueError):
@@ -102,58 +107,69 @@ def parse_pages(spec: str | None, count: int) -> list[int]:
     return out
 
 
-def page_count(data: bytes) -> int:
-    with _pdfium_lock:
-        pdf = _open(data)
-        try:
-            return len(pdf)
-        finally:
-            pdf.close()
+def settings_limits(s=None) -> Limits:
+    """The PDF workers' limits in these settings (default: the environment's): PDF_WORKERS,
+    PDF_MEMORY_BYTES, PDF_DEADLINE_S."""
+    if s is None:
+        from ocr_latent.serving.settings import settings
+        s = settings()
+    return Limits(s.pdf_workers, s.pdf_memory_bytes, s.pdf_deadline_s)
 
 
-def render_pdf(data: bytes, mode: str, pages: str | None = None, max_pages: int = 32) -> list[tuple[int, Image.Image]]:
+def pdf_pool() -> PdfPool:
+    """The process's own pool of PDF workers (for callers that bring none: bulk jobs, training), made on
+    first use; its workers start when first needed."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = PdfPool(settings_limits())
+        return _pool
+
+
+def close_pdf_pool() -> None:
+    global _pool
+    with _pool_lock:
+        if _pool is not None:
+            _pool.close()
+            _pool = None
+
+
+def page_count(data: bytes, cancel: threading.Event | None = None, pool: PdfPool | None = None) -> int:
+    with (pool or pdf_pool()).lease() as worker, _as_document_error():
+        count = worker.call({"op": "open"}, data, cancel)[0]["pages"]
+        worker.call({"op": "close"}, cancel=cancel)
+        return count
+
+
+def render_pdf(data: bytes, mode: str, pages: str | None = None, max_pages: int = 32,
+               cancel: threading.Event | None = None, pool: PdfPool | None = None) -> list[tuple[int, Image.Image]]:
     """PDF bytes -> [(page number, 1-based; RGB image)] for the selected pages, each rendered so that its
-    longer side is the mode's view size (white background, as printed)."""
+    longer side is the mode's view size (white background, as printed). Rendered by a worker process
+    within its limits (serving/pdf_worker.py): a page over them is a DocumentError 413
+    (document_too_complex); setting `cancel` stops the render (its worker is killed: `Cancelled`). `pool`:
+    the workers to use (default: this process's own, `pdf_pool()`)."""
     size = MODES[mode][0]
-    with _pdfium_lock:
-        pdf = _open(data)
-        try:
-            count = len(pdf)
-            if count == 0:
-                raise DocumentError("the PDF has no pages", 422)
-            chosen = parse_pages(pages, count)
-            if len(chosen) > max_pages:
-                raise DocumentError(f"{len(chosen)} pages selected; at most {max_pages} per request (MAX_PAGES): "
-                                    f"choose some with pages=, e.g. pages=1-{max_pages}", 413)
-            out = []
-            for index in chosen:
-                try:
-                    page = pdf[index]
-                except Exception:  # noqa: BLE001 - PdfiumError: /Count beyond the pages there are, a looping page tree
-                    raise DocumentError(f"page {index + 1} of the PDF cannot be loaded: its page tree is damaged "
-                                        f"(it claims {count} pages)", 422) from None
-                try:
-                    width, height = page.get_size()  # points, rotation applied
-                    if not (width > 0 and height > 0):
-                        raise DocumentError(f"page {index + 1} has no area ({width}x{height} points)", 422)
-                    bitmap = page.render(scale=size / max(width, height), fill_color=(255, 255, 255, 255))
-                    try:
-                        image = bitmap.to_pil().convert("RGB")
-                    finally:
-                        bitmap.close()
-                finally:
-                    page.close()
-                out.append((index + 1, image))
-            return out
-        finally:
-            pdf.close()
+    if cancel is not None and cancel.is_set():
+        raise Cancelled()
+    with (pool or pdf_pool()).lease() as worker, _as_document_error():
+        count = worker.call({"op": "open"}, data, cancel)[0]["pages"]
+        if count == 0:
+            raise DocumentError("the PDF has no pages", 422)
+        chosen = parse_pages(pages, count)
+        if len(chosen) > max_pages:
+            raise DocumentError(f"{len(chosen)} pages selected; at most {max_pages} per request (MAX_PAGES): "
+                                f"choose some with pages=, e.g. pages=1-{max_pages}", 413)
+        out = []
+        for index in chosen:
+            meta, pixels = worker.call({"op": "render", "index": index, "size": size}, cancel=cancel)
+            out.append((index + 1, Image.frombytes("RGB", (meta["width"], meta["height"]), pixels)))
+        worker.call({"op": "close"}, cancel=cancel)
+        return out
 
 
-def _open(data: bytes):
-    import pypdfium2 as pdfium
+@contextlib.contextmanager
+def _as_document_error():
     try:
-        return pdfium.PdfDocument(data)
-    except pdfium.PdfiumError as e:
-        if "password" in str(e).lower():
-            raise DocumentError("the PDF is encrypted; send a decrypted copy", 422) from None
-        raise DocumentError(f"not a readable PDF: {e}", 415) from None
+        yield
+    except RenderError as e:
+        raise DocumentError(str(e), e.status, e.type) from None

@@ -24,7 +24,8 @@ NUMBERS = {
     "retry_after_s": (int, 0), "shutdown_drain_s": (float, 0), "max_body_bytes": (int, 1), "max_image_pixels": (int, 1),
     "max_pages": (int, 1), "header_timeout_s": (float, 0.1), "max_connections": (int, 1), "replica_cpus": (float, 0),
     "encode_gpus": (float, 0), "decode_gpus": (float, 0), "ingress_cpus": (float, 0), "ray_num_cpus": (int, 1),
-    "ray_object_store_bytes": (int, 80_000_000), "test_load_delay_s": (float, 0), "test_step_delay_s": (float, 0),
+    "ray_object_store_bytes": (int, 80_000_000), "pdf_workers": (int, 1), "pdf_memory_bytes": (int, 64 << 20),
+    "pdf_deadline_s": (float, 0.1), "test_load_delay_s": (float, 0), "test_step_delay_s": (float, 0),
 }
 FLAGS = ("compile",)  # 1/0, true/false, yes/no
 SWITCHES = ("access_log", "verify_pin")  # exactly "1" turns them on
@@ -68,6 +69,10 @@ class Settings(BaseSettings):
     max_pages: int = env("MAX_PAGES", 32)
     header_timeout_s: float = env("HEADER_TIMEOUT_S", 10.0)
     max_connections: int = env("MAX_CONNECTIONS", 1000)
+    # PDF rendering (serving/pdf_worker.py): worker processes, each's address space, each page's deadline
+    pdf_workers: int = env("PDF_WORKERS", 2)
+    pdf_memory_bytes: int = env("PDF_MEMORY_BYTES", 1 << 30)
+    pdf_deadline_s: float = env("PDF_DEADLINE_S", 10.0)
     # logs
     log_level: str = env("LOG_LEVEL", "info")
     access_log: bool = env("ACCESS_LOG", False)
