@@ -15,9 +15,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import concurrent.futures
 import copy
+import functools
 import json
 import sys
+import threading
 import time
 import warnings
 from typing import Any, Callable, Literal
@@ -32,13 +35,14 @@ from pydantic import ValidationError
 from ocr_latent.architecture import NUM_CODES, PACKED_BYTES
 from ocr_latent.client.codesfile import MEDIA_TYPE as CODES_MEDIA_TYPE, CodesFile, CodesFileError, pack, unpack
 from ocr_latent.serving.bodies import b64decode, read_image_bytes, read_json, wait_disconnect
-from ocr_latent.serving.documents import DocumentError, looks_like_pdf, open_image, render_pdf
+from ocr_latent.serving.documents import DocumentError, looks_like_pdf, open_image, render_pdf, settings_limits
 from ocr_latent.serving.engine import DecodeResult, Engine, EngineConfig
 from ocr_latent.serving.errors import EngineError
 from ocr_latent.serving.guard import Guard
 from ocr_latent.serving.http_errors import (ApiError, ClientGone, document_error, http_error, install_handlers,
                                             validation_message)
 from ocr_latent.serving.interface import EngineLike, JobLike
+from ocr_latent.serving.pdf_worker import PdfPool
 from ocr_latent.serving.schemas import (MAX_TOKENS, PAGES_PATTERN, SSE_EVENT_SCHEMA, DecodePagesResponse, DecodeRequest,
                                         DecodeResponse, EncodePagesResponse, EncodeRequest, EncodeResponse, ErrorResponse,
                                         HealthResponse, LoadingResponse, PageCodes, PageText, decode_request_schema)
@@ -75,6 +79,7 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
         try:
             yield
         finally:
+            app.state.pdf_pool.close()
             await asyncio.to_thread(engine.stop)
 
     # redirect_slashes off: "/decode/" is a 404, not a redirect built from the client's Host header
@@ -82,6 +87,9 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
                   description="Document image -> 4096 four-bit codes -> page text (DeepSeek-OCR architecture).")
     app.state.settings, app.state.engine_config, app.state.metrics = s, config, metrics
     app.state.api_key = s.bearer_key()
+    # PDFs render in worker processes (serving/pdf_worker.py), waited for on threads of their own
+    app.state.pdf_pool = PdfPool(settings_limits(s))
+    app.state.pdf_threads = concurrent.futures.ThreadPoolExecutor(s.pdf_workers, thread_name_prefix="pdf")
     install_handlers(app)
     app.include_router(router)
     app.openapi = live_openapi(app)
@@ -138,6 +146,26 @@ async def run_jobs(request: Request, engine: EngineLike, submits: list[Callable[
     if gone.done():
         raise ClientGone()
     raise http_error(engine.deadline_error())
+
+
+async def render_pages(request: Request, data: bytes, mode: str, pages: str | None, max_pages: int):
+    """A PDF's pages from the app's PDF workers, waited for on the app's own threads (renders queued there
+    never hold the threads that parse JSON). A client that hangs up has its render stopped: its worker is
+    killed (and replaced on the next render), and no job reaches the engine."""
+    state, cancel = request.app.state, threading.Event()
+    work = asyncio.get_running_loop().run_in_executor(state.pdf_threads, functools.partial(
+        render_pdf, data, mode, pages, max_pages, cancel=cancel, pool=state.pdf_pool))
+    gone = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():  # the client left, or this task was cancelled
+            cancel.set()
+            work.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning
+    if not work.done():
+        raise ClientGone()
+    return work.result()
 
 
 def default_max_tokens(engine: EngineLike, prompt: str) -> int:
@@ -204,7 +232,7 @@ async def encode(request: Request,
     info, is_pdf = engine.info, looks_like_pdf(data)
     try:
         if is_pdf:
-            rendered = await asyncio.to_thread(render_pdf, data, info.mode, pages, s.max_pages)
+            rendered = await render_pages(request, data, info.mode, pages, s.max_pages)
             numbers, images = [n for n, _ in rendered], [im for _, im in rendered]
         else:
             if pages is not None:
