@@ -28,6 +28,7 @@ def deterministic_mode():
     set_deterministic(False)
 
 
+@pytest.mark.slow  # decodes 1,100 steps (~35 s here)
 def test_the_kv_cache_is_allocated_once_and_never_resized(small_modules):
     _, decoder = small_modules
     gen = Generator(decoder, 2, eos_id=-1, rule=None, kv_tokens=2 * 600)
@@ -139,6 +140,7 @@ def test_the_moe_paths_agree(small_modules, monkeypatch):
         assert (moe(x[:, None], step=True) - batched).abs().max() < 1e-5
 
 
+@pytest.mark.slow  # torch.compile (~24 s here)
 def test_compiled_steps_that_read_experts_in_place_give_the_eager_tokens(small_modules, monkeypatch):
     """The compiled step of few rows as a GPU runs it (each row's experts read in place, every projection a
     reduction fused with its neighbours), here on the CPU: the same tokens as eager steps, and the in-place
@@ -157,6 +159,7 @@ def test_compiled_steps_that_read_experts_in_place_give_the_eager_tokens(small_m
     assert traced, "the compiled step did not take the in-place path"
 
 
+@pytest.mark.slow  # torch.compile (~20 s here)
 def test_compiled_steps_of_more_rows_run_every_expert_give_the_eager_tokens_and_compile_only_in_warm_up(
         small_modules, monkeypatch):
     """Beyond the rows that read experts in place, a compiled fp32 step runs every expert on every row (the
@@ -250,6 +253,7 @@ def test_a_banned_best_token_is_replaced_and_the_next_step_reads_the_replacement
     assert overridden >= 3 and seq.tokens == tokens
 
 
+@pytest.mark.slow  # a bench subprocess (~32 s here)
 def test_gpu_bench_tiny_runs_and_prints_its_json():
     # compiled at one sequence too: the three variants a GPU run compares (without graphs on a CPU)
     out = subprocess.run([sys.executable, "bench/gpu.py", "--tiny", "--threads", "1", "--compile-levels", "1"], cwd=ROOT,
@@ -314,6 +318,7 @@ def read_reference_pages(pages: int = 32) -> list[list[int]]:
     return out
 
 
+@pytest.mark.slow  # reads 32 pages (~33 s here)
 def test_pages_read_token_for_token_as_the_reference():
     """A change to the decode path must not change what is read: the reference was recorded when the decoder
     was checked token for token against its previous versions (256 pages). A CPU with other vector

@@ -27,6 +27,8 @@ import pyarrow.parquet as pq
 from conftest import RAY, Server, png_bytes
 from ocr_latent.training.pages import test_pages
 
+pytestmark = pytest.mark.slow  # starts servers (~10 s each): left out of the fast lane, `./test.sh -m "not slow"`
+
 SHORT = 48  # max_tokens where many decodes run: the same prefix of the text, and a bounded test time
 LIMITS = {"MAX_BODY_BYTES": 1_000_000, "TORCH_THREADS": 1, "LOG_LEVEL": "warning"}
 

@@ -16,6 +16,8 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, positiv
 
 from conftest import serving
 
+pytestmark = pytest.mark.slow  # starts servers (~10 s each): left out of the fast lane, `./test.sh -m "not slow"`
+
 BINARY = ("image/", "application/pdf", "application/octet-stream", "application/vnd.ocr-latent.codes",
           "multipart/form-data")
 

@@ -36,6 +36,7 @@ def test_a_directory_of_images_and_pdfs_lists_every_page(scans):
     assert max(image.size) == 1024  # a PDF page is rendered at the view size, as /encode renders it
 
 
+@pytest.mark.slow  # trains
 def test_self_targets_are_the_uncompressed_reading_and_a_few_steps_lower_the_loss(tmp_path, scans):
     out, manifest = tmp_path / "quantizer.safetensors", tmp_path / "manifest.json"
     train.main(["quantizer", "--targets", "self", "--base", str(NANO), "--data", str(scans), "--steps", "8",
@@ -58,6 +59,7 @@ def test_self_targets_are_the_uncompressed_reading_and_a_few_steps_lower_the_los
     load_quantizer(out, model)  # made for this base
 
 
+@pytest.mark.slow  # trains
 def test_report_compares_the_codes_reading_with_the_uncompressed_one(tmp_path, scans, capsys):
     train.main(["report", "--data", str(scans), "--base", str(NANO), "--cache-dir", str(tmp_path / "cache"),
                 "--max-tokens", "200"])

@@ -28,6 +28,7 @@ def page_dir(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow  # trains
 def test_a_few_quantizer_steps_lower_the_loss_and_write_a_loadable_quantizer(tmp_path, page_dir):
     out, manifest = tmp_path / "quantizer.safetensors", tmp_path / "manifest.json"
     train.main(["quantizer", "--base", str(NANO), "--data", str(page_dir), "--steps", "8", "--batch", "4",
@@ -44,6 +45,7 @@ def test_a_few_quantizer_steps_lower_the_loss_and_write_a_loadable_quantizer(tmp
     assert sidecar["manifest_sha256"] and sidecar["levels"] == [16] * (4096 // sidecar["tokens"])
 
 
+@pytest.mark.slow  # trains
 def test_per_token_quantizer_on_cached_features_with_mlps(tmp_path):
     """--cache-pages encodes rendered pages once and trains on them; --kind token --hidden adds the
     residual MLPs, recorded in the sidecar so that the server rebuilds the same quantizer; --distill
@@ -95,6 +97,7 @@ def test_manifest_records_every_source_with_hash_and_split():
     assert manifest["nano/quantizer"]["base_fingerprint"] == json.loads((NANO / "quantizer.json").read_text())["base_fingerprint"]
 
 
+@pytest.mark.slow  # trains
 def test_staged_base_training_trains_only_its_part_and_resumes(tmp_path):
     """`base --stage encoder` moves the towers and projector only; `--stage decoder` (cached features)
     moves the decoder only; a second call with more steps resumes where the first stopped."""
@@ -134,6 +137,7 @@ def test_staged_base_training_trains_only_its_part_and_resumes(tmp_path):
     assert record["steps"] == 5 and record["test_metrics_uncompressed"]["pages"] == 2
 
 
+@pytest.mark.slow  # trains
 def test_bottleneck_stages_fold_into_the_projector_and_start_a_quantizer(tmp_path):
     """`--bottleneck` learns a linear FSQ with the towers (their dense-loss heads read its codes) or
     with the decoder, and carries over from one stage to the next; the export folds its projection
