@@ -38,7 +38,8 @@ def test_jobs_submitted_from_threads_read_their_pages(pages):
         decodes = [engine.decode(c, "free", 256) for c in codes]
         results = [j.future.result(120) for j in decodes]
         assert all(isinstance(r, DecodeResult) and r.finish_reason == "stop" for r in results)
-        assert sum(cer(r.text, p.text) for r, p in zip(results, pages)) / len(pages) < 0.3
+        mean_cer = sum(cer(r.text, p.text) for r, p in zip(results, pages)) / len(pages)
+        assert mean_cer < 0.10, mean_cer  # measured 0.049; was < 0.3
         with pytest.raises(ValueError, match="not available"):
             engine.decode(codes[0], "markdown")  # nano's tokenizer has no <|grounding|>
     finally:
@@ -114,6 +115,7 @@ def test_the_kv_cache_is_sized_once_and_requests_that_cannot_fit_are_refused(pag
         engine.stop()
 
 
+@pytest.mark.slow  # torch.compile (~16 s here)
 def test_compiled_decode_steps_read_what_eager_ones_read(pages):
     """COMPILE=1: the steps go through torch.compile (compiled during warm-up, so no request waits for it)
     and the pages read exactly as without it."""

@@ -385,12 +385,13 @@ def test_the_embedded_default_serves_in_bf16_and_its_quantizer_still_names_it():
     codes = pipe.encode([p.image for p in pages])
     seqs = pipe.new_generator(3).generate([pipe.decode_inputs(c, "free") for c in codes], [200] * 3)
     errors = [cer(pipe.text(s.tokens), p.text) for s, p in zip(seqs, pages)]
-    assert sum(errors) / 3 < 0.35, errors
+    assert sum(errors) / 3 < 0.10, errors  # measured 0.049 (0.006, 0.127, 0.014); was < 0.35
     with torch.no_grad():  # a changed projector is another base, whatever was stored
         model.encoder.projector.layers.weight.add_(0.5)
     assert base_fingerprint(model) != signed
 
 
+@pytest.mark.slow  # reads 4 pages 5 times (~29 s here)
 def test_bf16_prompts_into_the_fp32_cache_read_alike_alone_or_together():
     """PREFILL_DTYPE=bf16 on an fp32 model: a bf16 copy of the decoder prefills, fp32 steps go on from
     its keys and values. Each page reads the same alone as among others, and reads its text."""
@@ -408,4 +409,5 @@ def test_bf16_prompts_into_the_fp32_cache_read_alike_alone_or_together():
     together = [pipe.text(s.tokens) for s in gen.generate(inputs, [200] * 4)]
     alone = [pipe.text(pipe.new_generator(1).generate([x], [200])[0].tokens) for x in inputs]
     assert together == alone
-    assert np.mean([cer(t, p.text) for t, p in zip(together, pages)]) < 0.35
+    mean_cer = np.mean([cer(t, p.text) for t, p in zip(together, pages)])
+    assert mean_cer < 0.21, mean_cer  # measured 0.162; was < 0.35
