@@ -100,6 +100,7 @@ def pdf_of(images: list[Image.Image]) -> bytes:
     return buf.getvalue()
 
 
+@pytest.mark.slow  # the module's server
 def test_encode_returns_a_codes_file_that_decodes_to_the_same_text(http, pages, fingerprint):
     image = png_bytes(pages[0].image)
     as_json = http.post("/encode", content=image, headers={"Content-Type": "image/png"}).json()
@@ -116,9 +117,10 @@ def test_encode_returns_a_codes_file_that_decodes_to_the_same_text(http, pages, 
     from_json = http.post("/decode", json={"codes": as_json["codes"], "quantizer": fingerprint}).json()
     assert page["page"] == 1 and page["text"] == from_json["text"] and page["finish_reason"] == "stop"
     assert page["prompt_tokens"] == from_json["prompt_tokens"] > 256
-    assert cer(page["text"], pages[0].text) < 0.35, (page["text"], pages[0].text)
+    assert cer(page["text"], pages[0].text) < 0.17, (page["text"], pages[0].text)  # measured 0.117; was < 0.35
 
 
+@pytest.mark.slow  # the module's server
 def test_codes_of_another_quantizer_are_refused_with_both_fingerprints(http, fingerprint):
     other = "f" * 16 if fingerprint != "f" * 16 else "e" * 16
     doc = random_file(1)
@@ -130,6 +132,7 @@ def test_codes_of_another_quantizer_are_refused_with_both_fingerprints(http, fin
     assert http.get("/health").status_code == 200
 
 
+@pytest.mark.slow  # the module's server
 def test_bad_codes_files_are_4xx(http, fingerprint):
     good = random_file(1)
     good.quantizer = fingerprint
@@ -144,6 +147,7 @@ def test_bad_codes_files_are_4xx(http, fingerprint):
     assert assert_error(http.post("/decode?max_tokens=0", content=data, headers={"Content-Type": MEDIA_TYPE}), 422)
 
 
+@pytest.mark.slow  # the module's server
 def test_a_two_page_pdf_round_trips_and_pages_can_be_chosen(http, pages, fingerprint):
     pdf = pdf_of([pages[1].image, pages[3].image])
     r = http.post("/encode", content=pdf, headers={"Content-Type": "application/pdf"})
@@ -165,6 +169,7 @@ def test_a_two_page_pdf_round_trips_and_pages_can_be_chosen(http, pages, fingerp
     assert [p["page"] for p in second["pages"]] == [2] and second["pages"][0]["codes"] == body["pages"][1]["codes"]
 
 
+@pytest.mark.slow  # the module's server
 def test_bad_pdfs_and_page_selections_are_4xx(http, pages):
     pdf = pdf_of([p.image for p in pages])  # 4 pages > MAX_PAGES
     assert "MAX_PAGES" in assert_error(http.post("/encode", content=pdf, headers={"Content-Type": "application/pdf"}),
@@ -190,6 +195,7 @@ def sse(response: httpx.Response) -> list[tuple[str, dict]]:
     return events
 
 
+@pytest.mark.slow  # the module's server
 def test_streamed_text_is_the_same_text_in_pieces(http, pages):
     for page in pages[:3]:
         codes = http.post("/encode", content=png_bytes(page.image), headers={"Content-Type": "image/png"}).json()["codes"]
@@ -204,11 +210,13 @@ def test_streamed_text_is_the_same_text_in_pieces(http, pages):
             {k: plain[k] for k in ("num_tokens", "prompt_tokens", "finish_reason")}
 
 
+@pytest.mark.slow  # the module's server
 def test_stream_refusals_are_plain_json_errors(http):
     assert_error(http.post("/decode", json={"codes": [0] * 4096, "stream": True, "max_tokens": 0}), 422)
     assert_error(http.post("/decode", json={"codes": [0] * 4096, "stream": "yes"}), 422)
 
 
+@pytest.mark.slow  # starts a server
 def test_a_client_that_leaves_a_stream_stops_its_work(tmp_path):
     with serving(tmp_path, "slow", OCR_LATENT_TEST_STEP_DELAY_S=0.1) as srv:
         with httpx.Client(base_url=srv.url, timeout=60) as c:
@@ -224,13 +232,15 @@ def test_a_client_that_leaves_a_stream_stops_its_work(tmp_path):
 
 
 # ----------------------------------------------------------------------------- client and CLI
-def ocr_latent(*args: str, input: bytes | None = None) -> subprocess.CompletedProcess:
+def ocr_latent(*args: str, input: bytes | None = None, url: str = "", key: str = "") -> subprocess.CompletedProcess:
+    """The command, with OCR_LATENT_URL and OCR_LATENT_API_KEY set to `url` and `key` (empty: unset)."""
     exe = Path(sys.executable).parent / "ocr-latent"  # the console script setup.sh installs
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "ocr_latent.client.cli"]
     return subprocess.run([*cmd, *args], input=input, capture_output=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "OCR_LATENT_URL": "", "OCR_LATENT_API_KEY": ""})
+                          env={**os.environ, "OCR_LATENT_URL": url, "OCR_LATENT_API_KEY": key})
 
 
+@pytest.mark.slow  # the module's server
 def test_cli_encode_then_decode_prints_the_pages_text(server, pages, tmp_path):
     png, pdf = tmp_path / "page.png", tmp_path / "doc.pdf"
     png.write_bytes(png_bytes(pages[0].image))
@@ -241,7 +251,7 @@ def test_cli_encode_then_decode_prints_the_pages_text(server, pages, tmp_path):
     assert (tmp_path / "page.olc").exists() and b"1 page(s)" in enc.stderr
     dec = ocr_latent("decode", str(tmp_path / "page.olc"), *auth)
     assert dec.returncode == 0, dec.stderr.decode()
-    assert cer(dec.stdout.decode().strip(), pages[0].text) < 0.35, dec.stdout
+    assert cer(dec.stdout.decode().strip(), pages[0].text) < 0.17, dec.stdout  # measured 0.117; was < 0.35
     streamed = ocr_latent("decode", str(tmp_path / "page.olc"), "--stream", *auth)
     assert streamed.returncode == 0 and streamed.stdout == dec.stdout, (streamed.stdout, dec.stdout)
 
@@ -249,13 +259,15 @@ def test_cli_encode_then_decode_prints_the_pages_text(server, pages, tmp_path):
     assert enc.returncode == 0, enc.stderr.decode()
     text = ocr_latent("decode", str(tmp_path / "two.olc"), *auth).stdout.decode()
     first, second = text.split("\f\n")
-    assert cer(first.strip(), pages[1].text) < 0.35 and cer(second.strip(), pages[3].text) < 0.35, text
+    # measured 0.030 and 0.016 (pages rendered from the PDF); was < 0.35 each
+    assert cer(first.strip(), pages[1].text) < 0.08 and cer(second.strip(), pages[3].text) < 0.07, text
     for stream in ((), ("--stream",)):
         lines = ocr_latent("decode", "-", "--json", *stream, *auth, input=(tmp_path / "two.olc").read_bytes()).stdout
         pages = [json.loads(line) for line in lines.splitlines()]
         assert [p["page"] for p in pages] == [1, 2] and [p["text"] for p in pages] == [first.strip(), second.strip()]
 
 
+@pytest.mark.slow  # the module's server
 def test_cli_errors_are_messages_and_exit_status_1(server, tmp_path):
     auth = ("--url", server.url, "--api-key", KEY)
     tampered = tmp_path / "other.olc"
@@ -277,6 +289,65 @@ def test_cli_errors_are_messages_and_exit_status_1(server, tmp_path):
     assert r.returncode != 0 and b"does not start with OLC1" in r.stderr
 
 
+@pytest.mark.slow  # the module's server
+def test_cli_health_prints_the_servers_health(server, http):
+    r = ocr_latent("health", "--url", server.url)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == http.get("/health").json()
+    r = ocr_latent("health", "--url", f"http://127.0.0.1:{free_port()}")
+    assert r.returncode == 1 and b"cannot reach the server" in r.stderr and r.stdout == b""
+
+
+@pytest.mark.slow  # the module's server
+def test_cli_takes_url_and_key_from_the_environment_and_flags_win(server, http, pages, tmp_path):
+    png = tmp_path / "page.png"
+    png.write_bytes(png_bytes(pages[2].image))
+    wanted = http.post("/encode", content=png.read_bytes(), headers={"Content-Type": "image/png"}).json()["codes"]
+    r = ocr_latent("encode", str(png), "-o", "-", url=server.url, key=KEY)  # no --url, no --api-key
+    assert r.returncode == 0, r.stderr
+    assert CodesFile.from_bytes(r.stdout).pages[0].tolist() == wanted
+    r = ocr_latent("health", url=server.url)
+    assert r.returncode == 0 and json.loads(r.stdout)["quantizer"] == CodesFile.from_bytes(
+        ocr_latent("encode", str(png), "-o", "-", url=server.url, key=KEY).stdout).quantizer
+    r = ocr_latent("encode", str(png), "-o", "-", url=server.url)  # the environment names no key
+    assert r.returncode == 1 and b"401 unauthorized" in r.stderr, r.stderr
+    r = ocr_latent("encode", str(png), "-o", "-", url=server.url, key="wrong-key")
+    assert r.returncode == 1 and b"401 unauthorized" in r.stderr, r.stderr
+    # flags over the environment: a dead URL and a wrong key in the environment, the right ones as flags
+    r = ocr_latent("encode", str(png), "-o", "-", "--url", server.url, "--api-key", KEY,
+                   url=f"http://127.0.0.1:{free_port()}", key="wrong-key")
+    assert r.returncode == 0 and CodesFile.from_bytes(r.stdout).pages[0].tolist() == wanted, r.stderr
+
+
+@pytest.mark.slow  # the module's server
+def test_cli_encode_pages_chooses_pdf_pages(server, http, pages, tmp_path):
+    pdf = tmp_path / "doc.pdf"
+    pdf.write_bytes(pdf_of([pages[0].image, pages[1].image, pages[2].image]))
+    whole = http.post("/encode", content=pdf.read_bytes(), headers={"Content-Type": "application/pdf"}).json()["pages"]
+    auth = ("--url", server.url, "--api-key", KEY)
+    r = ocr_latent("encode", str(pdf), "--pages", "3,1", "-o", str(tmp_path / "chosen.olc"), *auth)
+    assert r.returncode == 0 and b"2 page(s)" in r.stderr, r.stderr
+    chosen = CodesFile.from_bytes((tmp_path / "chosen.olc").read_bytes())
+    assert [p.tolist() for p in chosen.pages] == [whole[2]["codes"], whole[0]["codes"]]
+    r = ocr_latent("encode", str(pdf), "--pages", "4", "-o", str(tmp_path / "none.olc"), *auth)
+    assert r.returncode == 1 and b"422" in r.stderr and b"3 page(s)" in r.stderr, r.stderr
+    assert not (tmp_path / "none.olc").exists()
+
+
+@pytest.mark.slow  # the module's server
+def test_cli_timeout_gives_up_waiting(server, pages, tmp_path):
+    png = tmp_path / "page.png"
+    png.write_bytes(png_bytes(pages[0].image))
+    auth = ("--url", server.url, "--api-key", KEY)
+    t0 = time.monotonic()
+    r = ocr_latent("encode", str(png), "--timeout", "0.05", "-o", str(tmp_path / "late.olc"), *auth)  # an encode takes longer
+    assert r.returncode == 1 and b"timed out" in r.stderr and b"Traceback" not in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 10 and not (tmp_path / "late.olc").exists()
+    r = ocr_latent("encode", str(png), "--timeout", "120", "-o", str(tmp_path / "ok.olc"), *auth)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.slow  # the module's server
 def test_client_api(server, pages):
     with Client(server.url, KEY) as c:
         assert c.health()["status"] == "ok"
@@ -300,6 +371,7 @@ def test_the_client_and_the_command_do_not_load_torch():
     assert out.strip() == "False"
 
 
+@pytest.mark.slow  # the module's server
 def test_max_tokens_beyond_the_models_positions_is_a_422_that_says_the_limit(http):
     err = assert_error(http.post("/decode", json={"codes": [8] * 4096, "max_tokens": 8192}), 422)
     most = int(err["message"].rsplit("at most ", 1)[1])
@@ -310,6 +382,7 @@ def test_max_tokens_beyond_the_models_positions_is_a_422_that_says_the_limit(htt
     assert r.status_code == 200 and r.json()["num_tokens"] <= most
 
 
+@pytest.mark.slow  # the module's server
 def test_codes_may_be_integral_floats_but_nothing_else(http):
     ok = http.post("/decode", json={"codes": [8.0] * 4096, "max_tokens": 4.0})  # JSON Schema integers
     assert ok.status_code == 200 and ok.json() == http.post("/decode", json={"codes": [8] * 4096, "max_tokens": 4}).json()
