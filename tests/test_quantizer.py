@@ -93,6 +93,7 @@ def quantizer_args(tmp_path, steps: int, *extra: str) -> list[str]:
             "--manifest", str(tmp_path / "manifest.json"), "--threads", "2", *extra]
 
 
+@pytest.mark.slow  # trains
 def test_quantizer_training_leaves_every_base_tensor_bit_identical(tmp_path):
     weights = NANO / "model-00001-of-000001.safetensors"
     from ocr_latent.checkpoint import file_sha256
@@ -108,6 +109,7 @@ def test_quantizer_training_leaves_every_base_tensor_bit_identical(tmp_path):
     assert record["weights_sha256"] == file_sha256(out) and record["geometry"]["kind"] == "cross_token"
 
 
+@pytest.mark.slow  # trains
 def test_a_base_tensor_that_moves_during_training_stops_the_run_before_anything_is_written(tmp_path, monkeypatch):
     real = quantizer_training.losses
 
@@ -123,6 +125,7 @@ def test_a_base_tensor_that_moves_during_training_stops_the_run_before_anything_
     assert not out.exists() and not (tmp_path / "manifest.json").exists()
 
 
+@pytest.mark.slow  # trains
 def test_a_stopped_run_resumes_to_the_same_quantizer(tmp_path):
     straight, resumed = tmp_path / "a" / "quantizer.safetensors", tmp_path / "b" / "quantizer.safetensors"
     train.main(quantizer_args(tmp_path, 6, "--out", str(straight)))
@@ -159,6 +162,7 @@ def parity_with_tokenizer(tmp_path):
     return d
 
 
+@pytest.mark.slow  # starts a server
 def test_the_original_format_trains_a_quantizer_then_serves_with_it(tmp_path):
     """`train.py quantizer` on an original-layout checkpoint (the real model's format at small sizes),
     from a directory of page images with transcripts; the server then loads that checkpoint with the
@@ -191,7 +195,10 @@ def test_the_original_format_trains_a_quantizer_then_serves_with_it(tmp_path):
             assert len(codes) == 4096 and 0 <= min(codes) and max(codes) <= 15
             r = c.post("/decode", json={"codes_b64": r.json()["codes_b64"], "max_tokens": 8})
             assert r.status_code == 200, r.text
-            assert r.json()["num_tokens"] <= 8 and r.json()["finish_reason"] in ("stop", "length", "repetition")
+            out = r.json()
+            # 8 tokens are too few for the loop detector (>= 48): a read that is not cut off by max_tokens ended at EOS
+            assert (out["num_tokens"] == 8 and out["finish_reason"] == "length") or \
+                (out["num_tokens"] < 8 and out["finish_reason"] == "stop"), out
             assert len(base64.b64decode(c.post("/encode", content=png, headers={"Content-Type": "image/png"})
                                         .json()["codes_b64"])) == 2048
     finally:
