@@ -140,6 +140,15 @@ class BaseTraining:
             if own := prefixed(state, name):
                 module.load_state_dict(own)
         self.use_order = bool(args.order_weight) and self.train_encoder
+        # patch-level presence: which characters lie in each 16 px patch, read off SAM's neck (64x64 at 1024):
+        # teaches the towers glyphs at the scale of ordinary text, under the tokens' coarser targets
+        self.use_patch = bool(args.patch_weight) and self.train_encoder
+        self.patch_head = torch.nn.Linear(model.encoder.cfg.sam_neck_channels, len(self.charset)) if self.use_patch else None
+        if self.use_patch:
+            if own := prefixed(state, "patch"):
+                self.patch_head.load_state_dict(own)
+            self.neck = []
+            model.encoder.sam_model.neck.register_forward_hook(lambda module, inputs, out: self.neck.append(out))
         self.mode, self.grid = model.config["ocr_latent"]["mode"], model.encoder.cfg.sam_image_size // 64
         self.bottleneck, self.bottleneck_needs_pca = self.new_bottleneck(state)
         self.params = self.trainable()
@@ -196,7 +205,8 @@ class BaseTraining:
                   *(model.decoder.parameters() if self.train_decoder else []),
                   *(self.aux_head.parameters() if self.train_encoder else []),
                   *(self.order_head.parameters() if self.use_order else []),
-                  *(bottleneck.parameters() if bottleneck and self.train_decoder else [])]
+                  *(bottleneck.parameters() if bottleneck and self.train_decoder else []),
+                  *(self.patch_head.parameters() if self.use_patch else [])]  # last: saved optimiser states keep their indices
         for p in params:
             p.requires_grad_(True)
         return params
@@ -256,6 +266,12 @@ class BaseTraining:
                 order_loss = F.cross_entropy(self.order_head(feats).float().reshape(-1, len(self.charset) + 1),
                                              order_target.flatten())
                 loss, row["order_loss"] = loss + args.order_weight * order_loss, round(order_loss.item(), 4)
+            if self.use_patch:
+                neck = self.neck.pop().flatten(2).transpose(1, 2)  # [B, patches, C]
+                self.neck.clear()
+                patch_target = torch.from_numpy(np.stack([char_targets(p, 4 * self.grid, self.charset) for p in pages]))
+                patch = F.binary_cross_entropy_with_logits(self.patch_head(neck).float(), patch_target)
+                loss, row["patch_loss"] = loss + args.patch_weight * patch, round(patch.item(), 4)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
@@ -285,8 +301,8 @@ class BaseTraining:
     def save(self) -> None:
         """Model, heads, bottleneck and optimiser into a fresh directory, then swapped in for the old one."""
         out = self.out
-        extra = {f"{name}.{k}": v for name, module in (("aux", self.aux_head), ("order", self.order_head))
-                 for k, v in module.state_dict().items()}
+        heads = (("aux", self.aux_head), ("order", self.order_head), ("patch", self.patch_head))
+        extra = {f"{name}.{k}": v for name, module in heads if module is not None for k, v in module.state_dict().items()}
         if self.bottleneck:
             extra.update({f"bottleneck.{k}": v for k, v in self.bottleneck.state_dict().items()})
         for i, p in enumerate(self.params):
@@ -401,6 +417,8 @@ def main(argv=None, prog: str | None = None) -> None:
     b.add_argument("--token-dropout", type=float, default=0.0, help="share of input text tokens replaced by pad")
     b.add_argument("--order-weight", type=float, default=0.0, help="weight of the reading-order aux loss")
     b.add_argument("--order-slots", type=int, default=6)
+    b.add_argument("--patch-weight", type=float, default=0.0, help="encoder stage: weight of the per-patch (16 px) "
+                   "character-presence loss on SAM's neck")
     b.add_argument("--curriculum", type=int, default=300, help="steps per curriculum stage")
     b.add_argument("--eval-every", type=int, default=200)
     b.add_argument("--val-pages", type=int, default=32)
