@@ -60,6 +60,7 @@ def test_every_code_slot_sees_the_whole_page_unlike_the_per_token_quantizer():
             assert (not torch.equal(a[1:], b[1:])) == crosses
 
 
+@pytest.mark.slow  # trains (8-65 s on the shared box)
 def test_the_gradient_passes_the_rounding_and_training_fits():
     q = small_cross()
     data = torch.randn(64, 16, 4) @ torch.randn(4, 64)
