@@ -1,7 +1,6 @@
 """What a file or a request can do to the server and the CLI: each case a hostile tester or a new
 user met, as a regression test. Damaged and lying documents get a clear 4xx, never a 5xx or a Python
 repr; codes that changed after they were written are refused naming the page."""
-import io
 import os
 import signal
 import subprocess
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image, PngImagePlugin
 
-from conftest import ROOT, assert_error, png_bytes, serving
+from conftest import ROOT, assert_error, pdf, png_bytes, serving
 from ocr_latent.client.codesfile import MEDIA_TYPE, CodesFile, pack
 from ocr_latent.training.pages import test_pages
 
@@ -38,20 +37,6 @@ def client(server):
 @pytest.fixture(scope="module")
 def page():
     return test_pages(1, seed=2)[0]
-
-
-def pdf(objects: list[str]) -> bytes:
-    """A PDF of these numbered objects (1 is the catalog) with a correct cross-reference table."""
-    out, offsets = io.BytesIO(), []
-    out.write(b"%PDF-1.4\n")
-    for number, body in enumerate(objects, 1):
-        offsets.append(out.tell())
-        out.write(f"{number} 0 obj\n{body}\nendobj\n".encode())
-    xref = out.tell()
-    out.write(f"xref\n0 {len(objects) + 1}\n0000000000 65535 f \n".encode())
-    out.write("".join(f"{o:010d} 00000 n \n" for o in offsets).encode())
-    out.write(f"trailer\n<< /Size {len(objects) + 1} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n".encode())
-    return out.getvalue()
 
 
 PAGE = "<< /Type /Page /Parent 2 0 R /MediaBox [0 0 200 200] >>"

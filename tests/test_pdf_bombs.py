@@ -4,7 +4,6 @@ PDFs were rendered in worker processes, one held the server for 8-9 s and left i
 JSON requests do not wait behind it, ordinary PDFs still encode, and a client that hangs up has its render
 stopped (serving/pdf_worker.py)."""
 import contextlib
-import io
 import threading
 import time
 from pathlib import Path
@@ -12,26 +11,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import ROOT, assert_error, serving
+from conftest import ROOT, assert_error, pdf, serving
 
 pytestmark = pytest.mark.slow  # starts servers (~10 s each): left out of the fast lane, `./test.sh -m "not slow"`
 
 DEADLINE_S = 2.0
 PDF = {"Content-Type": "application/pdf"}
-
-
-def pdf(objects: list[str]) -> bytes:
-    """A PDF of these numbered objects (1 is the catalog) with a correct cross-reference table."""
-    out, offsets = io.BytesIO(), []
-    out.write(b"%PDF-1.4\n")
-    for number, body in enumerate(objects, 1):
-        offsets.append(out.tell())
-        out.write(f"{number} 0 obj\n{body}\nendobj\n".encode())
-    xref = out.tell()
-    out.write(f"xref\n0 {len(objects) + 1}\n0000000000 65535 f \n".encode())
-    out.write("".join(f"{o:010d} 00000 n \n" for o in offsets).encode())
-    out.write(f"trailer\n<< /Size {len(objects) + 1} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n".encode())
-    return out.getvalue()
 
 
 def stream(entries: str, content: str) -> str:
