@@ -15,6 +15,25 @@ from ocr_latent.serving.settings import settings as read_settings
 log = logging.getLogger("ocr_latent.server")
 
 
+def over_capacity_in_json(retry_after_s: int) -> None:
+    """Beyond MAX_CONNECTIONS uvicorn answers every request itself, before the app, with a plain-text 503;
+    its h11 protocol looks that answer up by name when it needs it, so the name is pointed at one in the
+    service's JSON error format, with Retry-After, like every other error."""
+    import json
+
+    from uvicorn.protocols.http import h11_impl
+    body = json.dumps({"error": {"type": "overloaded", "message": "too many open connections (MAX_CONNECTIONS): "
+                                 "retry shortly"}}).encode()
+
+    async def service_unavailable(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 503, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"retry-after", str(retry_after_s).encode()), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    h11_impl.service_unavailable = service_unavailable
+
+
 def header_timeout_protocol(seconds: float):
     """uvicorn's h11 protocol with a deadline on the request head: a connection that says nothing, or
     trickles its headers, is closed after `seconds` instead of holding an open file for ever (uvicorn
@@ -99,6 +118,7 @@ def run(create_app: Callable[..., object]) -> int:
             super().handle_exit(sig, frame)
 
     raise_open_file_limit()
+    over_capacity_in_json(settings.retry_after_s)
     if not app.state.api_key and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without an API key: anyone who can reach this port can use the model "
                     "(set API_KEY or API_KEY_FILE)", host)
