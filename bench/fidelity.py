@@ -29,7 +29,7 @@ from ocr_latent.architecture import BITS_PER_CODE, NUM_CODES
 from ocr_latent.serving.pipeline import load_pipeline
 from ocr_latent.quantizer import code_usage
 from ocr_latent.training.reading_metrics import cer, wer
-from ocr_latent.training.evaluation import read_pages
+from ocr_latent.training.evaluation import read_as_served
 
 
 def pages_to_read(args) -> list[tuple[Image.Image, str]]:
@@ -65,17 +65,8 @@ def via_server(url: str, pages) -> list[str]:
     return out
 
 
-def local(pipe, pages, through_codes: bool, batch: int = 16) -> list[str]:
-    model, hyps = pipe.model, []
-    for i in range(0, len(pages), batch):
-        images = [im for im, _ in pages[i:i + batch]]
-        with torch.inference_mode():
-            feats = model.encoder.encode_images(images, pipe.mode)
-            if through_codes:  # exactly what /encode then /decode compute
-                feats = pipe.quantizer.decode(pipe.quantizer.encode(feats))
-        hyps += read_pages(model, [model.decoder.layout_image(f.to(model.decoder.lm_head.weight.dtype)) for f in feats], 512,
-                           pipe.prefill_decoder)
-    return hyps
+def local(pipe, pages, through_codes: bool) -> list[str]:
+    return read_as_served(pipe, [im for im, _ in pages], through_codes, 512)
 
 
 def main(argv=None) -> None:

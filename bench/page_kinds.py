@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ocr_latent.serving.pipeline import load_pipeline
-from ocr_latent.training.evaluation import read_pages
+from ocr_latent.training.evaluation import read_as_served
 from ocr_latent.training.pages import ORDINARY, PageSpec, test_pages
 from ocr_latent.training.reading_metrics import cer
 
@@ -48,18 +48,6 @@ KINDS = {  # name -> (what it is, its page spec)
 }
 
 
-def read(pipe, pages, through_codes: bool, max_tokens: int, batch: int = 16) -> list[str]:
-    model, hyps = pipe.model, []
-    for i in range(0, len(pages), batch):
-        with torch.inference_mode():
-            feats = model.encoder.encode_images([p.image for p in pages[i:i + batch]], pipe.mode)
-            if through_codes:  # exactly what /encode then /decode compute
-                feats = pipe.quantizer.decode(pipe.quantizer.encode(feats))
-        hyps += read_pages(model, [model.decoder.layout_image(f.to(model.decoder.lm_head.weight.dtype)) for f in feats],
-                           max_tokens, pipe.prefill_decoder)
-    return hyps
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", help="original-layout checkpoint directory (default: the embedded nano)")
@@ -79,7 +67,8 @@ def main(argv=None) -> None:
         what, spec = KINDS[name]
         pages = [p for p in test_pages(args.pages, seed=args.seed, spec=spec)]
         t0 = time.time()
-        plain, coded = read(pipe, pages, False, args.max_tokens), read(pipe, pages, True, args.max_tokens)
+        images = [p.image for p in pages]
+        plain, coded = (read_as_served(pipe, images, codes, args.max_tokens) for codes in (False, True))
         row = {"pages": len(pages), "chars": round(float(np.mean([len(p.text) for p in pages]))),
                "cer_uncompressed": round(float(np.mean([cer(h, p.text) for h, p in zip(plain, pages)])), 4),
                "cer_codes": round(float(np.mean([cer(h, p.text) for h, p in zip(coded, pages)])), 4)}

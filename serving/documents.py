@@ -68,6 +68,7 @@ def open_image(data: bytes, max_pixels: int) -> Image.Image:
     except Exception as e:  # noqa: BLE001 - truncated or corrupt data
         raise DocumentError(f"could not decode the image: {plain(e)}", 415) from None
 
+
 IMAGE_SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a", b"II*\x00", b"MM\x00*", b"BM")
 
 

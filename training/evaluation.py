@@ -26,6 +26,21 @@ def read_pages(model: OCRModel, embeds: list[torch.Tensor], max_tokens: int = 25
     return [model.detokenize(s.tokens) for s in gen.generate(inputs, [max_tokens] * len(inputs))]
 
 
+def read_as_served(pipe, images, through_codes: bool, max_tokens: int = 512, batch: int = 16) -> list[str]:
+    """What the service reads from page images, in process: a pipeline's towers, then its quantizer's codes
+    (`through_codes`: exactly what /encode then /decode compute) or not, then greedy reading with the
+    prompts prefilled at the pipeline's precision."""
+    model, hyps = pipe.model, []
+    dtype = model.decoder.lm_head.weight.dtype
+    for i in range(0, len(images), batch):
+        with torch.inference_mode():
+            feats = model.encoder.encode_images(images[i:i + batch], pipe.mode)
+            if through_codes:
+                feats = pipe.quantizer.decode(pipe.quantizer.encode(feats))
+        hyps += read_pages(model, [model.decoder.layout_image(f.to(dtype)) for f in feats], max_tokens, pipe.prefill_decoder)
+    return hyps
+
+
 def evaluate(model: OCRModel, pages, mode: str, batch: int = 16, quantizer=None, max_tokens: int = 256) -> dict:
     """CER/WER of greedy reading, uncompressed or through the quantizer's codes."""
     hyps = []
