@@ -90,3 +90,15 @@ def test_error_rates_keep_their_definition():
     assert cer("Straße", "Strasse") == 2 / 7 and cer("", "") == 0 and cer("abc", "") == 3
     assert wer("the cat sat", "the cat sat down") == 0.25 and wer("a b", "b a") == 1.0
     assert edit_distance(["a", "b"], ["b"]) == 1
+
+
+def test_pages_of_several_pdfs_come_from_their_own_file(tmp_path):
+    import numpy as np
+    from ocr_latent.serving.documents import render_pdf
+    pages = list(test_pages(5, seed=3))
+    pages[0].image.save(tmp_path / "a.pdf", save_all=True, append_images=[pages[1].image, pages[2].image], resolution=72)
+    pages[3].image.save(tmp_path / "b.pdf", save_all=True, append_images=[pages[4].image], resolution=72)
+    listed = self_reading.directory_pages(tmp_path, "base")
+    assert [name for name, _ in listed] == ["a.pdf#1", "a.pdf#2", "a.pdf#3", "b.pdf#1", "b.pdf#2"]
+    rendered = {f"{f}#{n}": image for f in ("a.pdf", "b.pdf") for n, image in render_pdf((tmp_path / f).read_bytes(), "base")}
+    assert all(np.array_equal(np.asarray(load()), np.asarray(rendered[name])) for name, load in listed)

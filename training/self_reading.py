@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from ocr_latent.checkpoint import OCRModel
+from ocr_latent.serving.documents import page_count, render_pdf
 from ocr_latent.training.evaluation import read_pages
 from ocr_latent.training.reading_metrics import cer
 
@@ -35,7 +36,6 @@ def directory_pages(root: Path, mode: str) -> list[tuple[str, Callable[[], Image
     """Every image file and every page of every PDF under `root` (recursively, sorted by path), as
     (name, load): `scan.png`, `report.pdf#2` (1-based). Images load lazily, so a large directory is
     not held in memory."""
-    from ocr_latent.serving.documents import page_count, render_pdf
     pages = []
     for path in sorted(p for p in Path(root).rglob("*") if p.is_file()):
         name, suffix = str(path.relative_to(root)), path.suffix.lower()
@@ -43,10 +43,25 @@ def directory_pages(root: Path, mode: str) -> list[tuple[str, Callable[[], Image
             pages.append((name, lambda path=path: Image.open(path)))
         elif suffix == PDF_SUFFIX:
             data = path.read_bytes()
-            for number in range(1, page_count(data) + 1):
-                pages.append((f"{name}#{number}",
-                               lambda data=data, number=number: render_pdf(data, mode, str(number))[0][1]))
+            count = page_count(data)
+            load = pdf_page_loader(data, mode, count)
+            pages += [(f"{name}#{number}", lambda number=number, load=load: load(number)) for number in range(1, count + 1)]
     return pages
+
+
+def pdf_page_loader(data: bytes, mode: str, count: int, chunk: int = 16) -> Callable[[int], Image.Image]:
+    """Page `number` (1-based) of a PDF, rendered with the `chunk` - 1 pages after it and those kept until
+    a page outside them is asked for: pages read in order cost one opening of the document a chunk,
+    not one a page."""
+    kept: dict[int, Image.Image] = {}
+
+    def load(number: int) -> Image.Image:
+        if number not in kept:
+            kept.clear()
+            last = min(count, number + chunk - 1)
+            kept.update(render_pdf(data, mode, f"{number}-{last}", max_pages=chunk))
+        return kept[number]
+    return load
 
 
 def transcript_of(root: Path, name: str) -> str | None:
