@@ -8,8 +8,7 @@
 
 The entry point. The nano model is defined in training/nano.py, the losses in training/losses.py, evaluation in
 training/evaluation.py, feature caches in training/features.py, the manifest in training/manifest.py; the
-quantizer's training
-in training/quantizer_trainer.py. This module holds the base's staged training and its export.
+quantizer's training in training/quantizer_trainer.py. This module holds the base's staged training and its export.
 """
 from __future__ import annotations
 
@@ -147,8 +146,7 @@ class BaseTraining:
         if self.use_patch:
             if own := prefixed(state, "patch"):
                 self.patch_head.load_state_dict(own)
-            self.neck = []
-            model.encoder.sam_model.neck.register_forward_hook(lambda module, inputs, out: self.neck.append(out))
+            model.encoder.sam_model.neck.register_forward_hook(lambda module, inputs, out: setattr(self, "neck", out))
         self.mode, self.grid = model.config["ocr_latent"]["mode"], model.encoder.cfg.sam_image_size // 64
         self.bottleneck, self.bottleneck_needs_pca = self.new_bottleneck(state)
         self.params = self.trainable()
@@ -267,8 +265,7 @@ class BaseTraining:
                                              order_target.flatten())
                 loss, row["order_loss"] = loss + args.order_weight * order_loss, round(order_loss.item(), 4)
             if self.use_patch:
-                neck = self.neck.pop().flatten(2).transpose(1, 2)  # [B, patches, C]
-                self.neck.clear()
+                neck = self.neck.flatten(2).transpose(1, 2)  # this step's [B, patches, C]
                 patch_target = torch.from_numpy(np.stack([char_targets(p, 4 * self.grid, self.charset) for p in pages]))
                 patch = F.binary_cross_entropy_with_logits(self.patch_head(neck).float(), patch_target)
                 loss, row["patch_loss"] = loss + args.patch_weight * patch, round(patch.item(), 4)
