@@ -8,7 +8,7 @@
   ocr-latent health                         # the server's /health
   ocr-latent bulk-encode DIR out.parquet    # every image and PDF page under DIR -> codes, on Ray Data (bulk.py)
   ocr-latent bulk-decode out.parquet out.jsonl   # those codes -> text, one JSON line a page
-  ocr-latent train ...                      # train.py's commands: base, export, quantizer
+  ocr-latent train ...                      # train.py's commands: base, export, quantizer, report
 
 encode, decode and health talk to --url (default $OCR_LATENT_URL, else http://127.0.0.1:8000) with
 --api-key (default $OCR_LATENT_API_KEY). Exit status: 0 done, 1 refused or unreachable (the reason
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     enc.add_argument("-o", "--output", help="the codes file (default INPUT with .olc; - for stdout)")
     enc.add_argument("--pages", help="PDF pages, 1-based, e.g. 1-3,5 (default all)")
     dec = sub.add_parser("decode", parents=[remote], help="a codes file -> text on stdout")
-    dec.add_argument("input", help="a codes file (.olc; - for stdin)")
+    dec.add_argument("input", help="a codes file (.olc; - for stdin), or the 2,048 bytes of one page's bare codes")
     dec.add_argument("--prompt", choices=("free", "markdown"), default="free")
     dec.add_argument("--max-tokens", type=int, default=4096)
     dec.add_argument("--stream", action="store_true", help="print the text as it is generated")
