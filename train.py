@@ -139,12 +139,16 @@ class BaseTraining:
             if own := prefixed(state, name):
                 module.load_state_dict(own)
         self.use_order = bool(args.order_weight) and self.train_encoder
-        # patch-level presence: which characters lie in each 16 px patch, read off SAM's neck (64x64 at 1024):
-        # teaches the towers glyphs at the scale of ordinary text, under the tokens' coarser targets
+        # patch-level reading: the characters of each 16 px patch in reading order, read off SAM's neck (64x64
+        # at 1024): teaches the towers glyphs at the scale of ordinary text, under the tokens' coarser targets.
+        # A softmax over classes, not a multi-hot presence: with ~190 classes and one or two characters a
+        # patch, a per-class sigmoid's gradient is so diluted that it spends hundreds of steps learning the prior
         self.use_patch = bool(args.patch_weight) and self.train_encoder
-        self.patch_head = torch.nn.Linear(model.encoder.cfg.sam_neck_channels, len(self.charset)) if self.use_patch else None
+        patch_outputs = args.patch_slots * (len(self.charset) + 1)
+        self.patch_head = torch.nn.Linear(model.encoder.cfg.sam_neck_channels, patch_outputs) if self.use_patch else None
         if self.use_patch:
-            if own := prefixed(state, "patch"):
+            own = prefixed(state, "patch")
+            if own and own["weight"].shape[0] == patch_outputs:
                 self.patch_head.load_state_dict(own)
             model.encoder.sam_model.neck.register_forward_hook(lambda module, inputs, out: setattr(self, "neck", out))
         self.mode, self.grid = model.config["ocr_latent"]["mode"], model.encoder.cfg.sam_image_size // 64
@@ -152,7 +156,8 @@ class BaseTraining:
         self.params = self.trainable()
         self.opt = torch.optim.AdamW(self.params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
         for i, p in enumerate(self.params):  # parameters that never got a gradient (CLIP's unused patch conv) have none
-            if f"opt.{i}.step" in state:
+            # a head of another shape than the saved one (the earlier presence loss) starts afresh
+            if f"opt.{i}.step" in state and state[f"opt.{i}.exp_avg"].shape == p.shape:
                 self.opt.state[p] = {k: state[f"opt.{i}.{k}"] for k in ("step", "exp_avg", "exp_avg_sq")}
         val_kind = PageSpec(augment=False) if args.pages == "small" else self.kind  # the first runs' validation pages
         self.val_pages = list(PageStream(self.docs["val"], val_kind, seed=1, length=args.val_pages))
@@ -266,8 +271,10 @@ class BaseTraining:
                 loss, row["order_loss"] = loss + args.order_weight * order_loss, round(order_loss.item(), 4)
             if self.use_patch:
                 neck = self.neck.flatten(2).transpose(1, 2)  # this step's [B, patches, C]
-                patch_target = torch.from_numpy(np.stack([char_targets(p, 4 * self.grid, self.charset) for p in pages]))
-                patch = F.binary_cross_entropy_with_logits(self.patch_head(neck).float(), patch_target)
+                patch_target = torch.from_numpy(np.stack([order_targets(p, 4 * self.grid, args.patch_slots, self.charset)
+                                                          for p in pages]))
+                patch = F.cross_entropy(self.patch_head(neck).float().reshape(-1, len(self.charset) + 1),
+                                        patch_target.flatten())
                 loss, row["patch_loss"] = loss + args.patch_weight * patch, round(patch.item(), 4)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -292,8 +299,25 @@ class BaseTraining:
         if self.use_order:
             row["val_slot_acc"] = round(slot_accuracy(model, self.order_head, self.val_pages, self.grid,
                                                       args.order_slots, bottleneck, self.charset), 4)
+        if self.use_patch:
+            row["val_patch_acc"] = round(self.patch_accuracy(), 4)
         model.encoder.train(self.train_encoder), model.decoder.train(self.train_decoder)
         return row
+
+    @torch.no_grad()
+    def patch_accuracy(self) -> float:
+        """Share of the validation pages' occupied patch slots the patch head reads right."""
+        right = total = 0
+        for i in range(0, len(self.val_pages), 8):
+            pages = self.val_pages[i:i + 8]
+            self.model.encoder.encode_images([p.image for p in pages], self.mode)  # the neck hook keeps self.neck
+            logits = self.patch_head(self.neck.flatten(2).transpose(1, 2))
+            pred = logits.reshape(len(pages), -1, self.args.patch_slots, len(self.charset) + 1).argmax(-1)
+            target = torch.from_numpy(np.stack([order_targets(p, 4 * self.grid, self.args.patch_slots, self.charset)
+                                                for p in pages]))
+            occupied = target != len(self.charset)
+            right, total = right + int((pred == target)[occupied].sum()), total + int(occupied.sum())
+        return right / max(1, total)
 
     def save(self) -> None:
         """Model, heads, bottleneck and optimiser into a fresh directory, then swapped in for the old one."""
@@ -415,7 +439,8 @@ def main(argv=None, prog: str | None = None) -> None:
     b.add_argument("--order-weight", type=float, default=0.0, help="weight of the reading-order aux loss")
     b.add_argument("--order-slots", type=int, default=6)
     b.add_argument("--patch-weight", type=float, default=0.0, help="encoder stage: weight of the per-patch (16 px) "
-                   "character-presence loss on SAM's neck")
+                   "reading-order loss on SAM's neck")
+    b.add_argument("--patch-slots", type=int, default=2, help="characters read per 16 px patch")
     b.add_argument("--curriculum", type=int, default=300, help="steps per curriculum stage")
     b.add_argument("--eval-every", type=int, default=200)
     b.add_argument("--val-pages", type=int, default=32)

@@ -118,8 +118,11 @@ def test_staged_base_training_trains_only_its_part_and_resumes(tmp_path):
     meta = json.loads((enc_run / "train_meta.json").read_text())
     assert meta["step"] == 2 and "val_slot_acc" in meta["curve"][-1]
 
-    train.main(["base", "--stage", "encoder", "--out", str(enc_run), "--steps", "3", "--order-weight", "1", *common])
-    assert json.loads((enc_run / "train_meta.json").read_text())["step"] == 3
+    # resumed with the patch loss added: its head (and only its head) starts without optimiser state
+    train.main(["base", "--stage", "encoder", "--out", str(enc_run), "--steps", "3", "--order-weight", "1",
+                "--patch-weight", "1", *common])
+    meta = json.loads((enc_run / "train_meta.json").read_text())
+    assert meta["step"] == 3 and 0.0 <= meta["curve"][-1]["val_patch_acc"] <= 1.0 and meta["curve"][-1]["patch_loss"] > 0
 
     train.main(["base", "--stage", "decoder", "--init", str(enc_run), "--out", str(dec_run), "--steps", "2",
                 "--cache-pages", "4", "--token-dropout", "0.1", *common])
