@@ -4,7 +4,9 @@ Sequences are prefilled into free cache slots and dropped between steps; each st
 active sequence by one token. A step's shapes are fixed by (rows, attended length), so on CUDA each
 shape is captured once as a CUDA graph and replayed (docs/gpu.md); `COMPILE=1` runs steps through
 torch.compile. Stopping: EOS, `max_tokens`, or the `RepetitionRule` (windowed no-repeat-n-gram, as
-the official scripts, plus a loop detector).
+the official scripts, plus a loop detector). Per sequence, as vLLM's: `min_tokens` (EOS is masked on the
+device, and the loop detector does not stop it, until that many tokens are generated) and `ignore_eos`
+(neither ever: it runs to `max_tokens`, for benchmarks of fixed output lengths).
 """
 from __future__ import annotations
 
@@ -94,6 +96,12 @@ class Sequence:
     tokens: list[int]
     finish_reason: str | None = None
     grams: Counter = field(default_factory=Counter)  # RepetitionRule.track's running count
+    min_tokens: int = 0  # EOS and the loop detector cannot end it before it has this many tokens
+    ignore_eos: bool = False  # nor ever: it ends at max_tokens
+
+    def holds_eos(self) -> bool:
+        """Whether EOS is masked for its next token (it has fewer than min_tokens, or ignores EOS)."""
+        return self.ignore_eos or len(self.tokens) < self.min_tokens
 
 
 class Generator:
@@ -132,6 +140,10 @@ class Generator:
         # the step's inputs live on the device: each slot's last token and the position it goes to
         self.tokens = torch.zeros(slots, dtype=torch.long, device=dev)
         self.pos = torch.zeros(slots, dtype=torch.long, device=dev)
+        # min_tokens and ignore_eos: each slot's position from which its next token may be EOS (0: any), so
+        # that a step masks EOS per row without the host (pos never exceeds slot_tokens - 1)
+        self.eos_from = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.masks_eos = 0 <= eos_id < decoder.cfg.vocab_size  # tests run without an EOS (-1)
         # probed and built now, not inside a capture or a compiled trace: a RoPE table built by a compiled
         # step's first call fails the guards of its second, which then recompiles, inside the graph capture
         for d in {decoder, self.prefill_decoder}:
@@ -143,6 +155,7 @@ class Generator:
         if self.cuda_graphs and not cuda:
             raise ValueError("CUDA graphs need the decoder on a CUDA device")
         self._graphs: dict[tuple[int, int], tuple] = {}  # (B, L) -> (graph, logits, best)
+        self._graphs_holding_eos: dict[tuple[int, int], tuple] = {}  # the same, with EOS masked where held
         # torch.compile fuses a step's elementwise chains (norms, RoPE, routing, the combine) into a few
         # kernels; compiled on a shape's first step (outside any capture), the graph captures the result
         self._decode_step = torch.compile(decoder.decode_step) if compile else decoder.decode_step
@@ -173,8 +186,12 @@ class Generator:
         return bool(self.free) and prompt_len + max_tokens <= self.slot_tokens
 
     @torch.inference_mode()
-    def add(self, inputs: list[Tensor], max_tokens: list[int]) -> list[Sequence]:
-        """Prefill new sequences; their first token is chosen at once (they may finish right away)."""
+    def add(self, inputs: list[Tensor], max_tokens: list[int], min_tokens: list[int] | None = None,
+            ignore_eos: list[bool] | None = None) -> list[Sequence]:
+        """Prefill new sequences; their first token is chosen at once (they may finish right away).
+        `min_tokens`, `ignore_eos`: per sequence, as Sequence's (default 0 and False)."""
+        min_tokens = min_tokens or [0] * len(inputs)
+        ignore_eos = ignore_eos or [False] * len(inputs)
         too_long = [x.shape[0] for x in inputs if x.shape[0] >= self.slot_tokens]
         if too_long:
             raise ValueError(f"prompts of {too_long} positions do not fit a slot of {self.slot_tokens}")
@@ -187,11 +204,16 @@ class Generator:
             logits = torch.cat([self.prefill_decoder.prefill(self.cache, [s], [x]) for s, x in zip(slots, inputs)])
         else:
             logits = self.prefill_decoder.prefill(self.cache, slots, inputs)
+        held = [i for i, (least, ignore) in enumerate(zip(min_tokens, ignore_eos)) if ignore or least > 0]
+        if held and self.masks_eos:
+            logits[held, self.eos_id] = float("-inf")
         best = logits.argmax(-1).tolist()
         seqs = []
-        for slot, x, limit, row, token in zip(slots, inputs, max_tokens, logits, best):
+        for slot, x, limit, least, ignore, row, token in zip(slots, inputs, max_tokens, min_tokens, ignore_eos,
+                                                              logits, best):
             # the last token is chosen, never written: a slot holds prompt + max_tokens - 1 positions
-            seq = Sequence(self._next_id, slot, min(limit, self.slot_tokens - x.shape[0]), [])
+            seq = Sequence(self._next_id, slot, min(limit, self.slot_tokens - x.shape[0]), [],
+                           min_tokens=least, ignore_eos=ignore)
             self._next_id += 1
             self.active[slot], self.positions[slot] = seq, x.shape[0]
             self._choose(seq, row, token)
@@ -199,6 +221,9 @@ class Generator:
         index = torch.tensor(slots, device=self.tokens.device)
         self.tokens[index] = torch.tensor([s.tokens[-1] for s in seqs], device=self.tokens.device)
         self.pos[index] = torch.tensor([x.shape[0] for x in inputs], device=self.pos.device)
+        # a step fed the token at position p chooses token number p - prompt + 2: EOS waits for p >= prompt + min - 1
+        self.eos_from[index] = torch.tensor([self.slot_tokens if s.ignore_eos else x.shape[0] + s.min_tokens - 1
+                                             for s, x in zip(seqs, inputs)], device=self.pos.device)
         return seqs
 
     @torch.inference_mode()
@@ -216,6 +241,7 @@ class Generator:
             self.positions[hole] = self.positions.pop(last)
             self.cache.move(last, hole, self.positions[hole])
             self.tokens[hole], self.pos[hole] = self.tokens[last], self.pos[last]  # device to device
+            self.eos_from[hole] = self.eos_from[last]
             moved.slot, self.active[hole], hole = hole, moved, last
         self.free.append(hole)
 
@@ -235,29 +261,31 @@ class Generator:
         # rows 0..max slot: finished sequences not dropped yet run along (their tokens are ignored)
         B, L = self.shape(max(self.active) + 1, max(self.positions[s.slot] for s in running) + 1)
         self.cache.ensure(L)
-        logits, best = self._run(B, L)
+        # the host knows whether any row holds EOS back; only then does the step mask it (row by row, on the device)
+        logits, best = self._run(B, L, self.masks_eos and any(s.holds_eos() for s in running))
         best = best.tolist()  # the step's one copy to the host
         for seq in running:
             self.positions[seq.slot] += 1
             self._choose(seq, logits[seq.slot], best[seq.slot])
 
-    def _run(self, B: int, L: int) -> tuple[Tensor, Tensor]:
+    def _run(self, B: int, L: int, hold_eos: bool = False) -> tuple[Tensor, Tensor]:
         if not self.cuda_graphs:
-            return self._advance(B, L)
-        if (B, L) not in self._graphs:
+            return self._advance(B, L, hold_eos)
+        graphs = self._graphs_holding_eos if hold_eos else self._graphs
+        if (B, L) not in graphs:
             try:
-                self._capture(B, L)
+                self._capture(B, L, hold_eos)
             except RuntimeError as e:
                 # a step that a graph cannot hold (an op that waits on the host, say) still runs: eagerly,
                 # from now on (nothing ran in the failed capture; its warm-up rewrote what the step writes)
                 log.warning("CUDA graph capture of a (%d, %d) step failed, decoding without graphs: %s", B, L, e)
                 self.cuda_graphs = False
-                return self._advance(B, L)
-        graph, logits, best = self._graphs[B, L]
+                return self._advance(B, L, hold_eos)
+        graph, logits, best = graphs[B, L]
         graph.replay()
         return logits, best
 
-    def _compute(self, B: int, L: int) -> tuple[Tensor, Tensor]:
+    def _compute(self, B: int, L: int, hold_eos: bool = False) -> tuple[Tensor, Tensor]:
         try:
             step = self._decode_step if B <= self.compiled_rows else self.decoder.decode_step
             logits = step(self.cache, self.tokens[:B], self.pos[:B], L)
@@ -267,6 +295,8 @@ class Generator:
             log.warning("torch.compile of the decode step failed, decoding without it: %s: %s", type(e).__name__, e)
             self._decode_step = self.decoder.decode_step
             logits = self._decode_step(self.cache, self.tokens[:B], self.pos[:B], L)
+        if hold_eos:  # outside the compiled step: its graphs stay as they are
+            logits[:, self.eos_id].masked_fill_(self.pos[:B] < self.eos_from[:B], float("-inf"))
         return logits, logits.argmax(-1)
 
     def warmup_shapes(self) -> list[tuple[int, int]]:
@@ -292,17 +322,18 @@ class Generator:
             self._run(B, L)
         self.tokens.zero_()
         self.pos.zero_()
+        self.eos_from.zero_()
 
-    def _advance(self, B: int, L: int) -> tuple[Tensor, Tensor]:
+    def _advance(self, B: int, L: int, hold_eos: bool = False) -> tuple[Tensor, Tensor]:
         """A step of rows 0..B-1, and their next inputs set on the device: the best tokens (the host
         overrides a row whose best is banned) at the next positions."""
-        logits, best = self._compute(B, L)
+        logits, best = self._compute(B, L, hold_eos)
         self.tokens[:B] = best
         # rows that run past their end (finished, padding) keep writing inside their own slot
         self.pos[:B] = (self.pos[:B] + 1).clamp_(max=self.slot_tokens - 1)
         return logits, best
 
-    def _capture(self, B: int, L: int) -> None:
+    def _capture(self, B: int, L: int, hold_eos: bool = False) -> None:
         """Capture one step of shape (B, L) as a CUDA graph (the inputs, cache and outputs keep their
         addresses, so replaying it is the step). All graphs share one memory pool: they never run at once."""
         # warm-up outside the capture (library handles, the MoE probe, the RoPE table): _compute
@@ -310,13 +341,13 @@ class Generator:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._compute(B, L)
+            self._compute(B, L, hold_eos)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's CUDA work (an encode batch, a test) does not break the capture
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits, best = self._advance(B, L)
-        self._graphs[B, L] = (graph, logits, best)
+            logits, best = self._advance(B, L, hold_eos)
+        (self._graphs_holding_eos if hold_eos else self._graphs)[B, L] = (graph, logits, best)
 
     def _choose(self, seq: Sequence, logits: Tensor, token: int) -> None:
         """Append `token` (the row's argmax) unless the repetition rule bans it: then the best allowed one."""
@@ -328,19 +359,22 @@ class Generator:
             row[list(banned)] = float("-inf")
             token = int(row.argmax())
             self.tokens[seq.slot] = token
+        held = seq.holds_eos()  # EOS was masked for this token (so it is not EOS where an EOS exists)
         seq.tokens.append(token)
-        if self.rule is not None:
+        loops = self.rule is not None and not seq.ignore_eos  # the loop detector may end it
+        if loops:
             self.rule.track(seq.grams, seq.tokens)
-        if token == self.eos_id:
+        if token == self.eos_id and not held:
             seq.finish_reason = "stop"
-        elif self.rule is not None and self.rule.looping(seq.tokens, seq.grams):
+        elif loops and len(seq.tokens) >= seq.min_tokens and self.rule.looping(seq.tokens, seq.grams):
             seq.finish_reason = "repetition"
         elif len(seq.tokens) >= seq.max_tokens:
             seq.finish_reason = "length"
 
-    def generate(self, inputs: list[Tensor], max_tokens: list[int]) -> list[Sequence]:
+    def generate(self, inputs: list[Tensor], max_tokens: list[int], min_tokens: list[int] | None = None,
+                 ignore_eos: list[bool] | None = None) -> list[Sequence]:
         """Convenience: run a fixed set of sequences to completion (each leaves the batch as it finishes)."""
-        seqs = self.add(inputs, max_tokens)
+        seqs = self.add(inputs, max_tokens, min_tokens, ignore_eos)
         while True:
             for s in seqs:
                 if s.finish_reason is not None:

@@ -43,9 +43,10 @@ from ocr_latent.serving.http_errors import (ApiError, ClientGone, document_error
                                             validation_message)
 from ocr_latent.serving.interface import EngineLike, JobLike
 from ocr_latent.serving.pdf_worker import PdfPool
-from ocr_latent.serving.schemas import (MAX_TOKENS, PAGES_PATTERN, SSE_EVENT_SCHEMA, DecodePagesResponse, DecodeRequest,
-                                        DecodeResponse, EncodePagesResponse, EncodeRequest, EncodeResponse, ErrorResponse,
-                                        HealthResponse, LoadingResponse, PageCodes, PageText, decode_request_schema)
+from ocr_latent.serving.schemas import (IGNORE_EOS_DOC, MAX_TOKENS, MIN_TOKENS_DOC, PAGES_PATTERN, SSE_EVENT_SCHEMA,
+                                        DecodePagesResponse, DecodeRequest, DecodeResponse, EncodePagesResponse, EncodeRequest,
+                                        EncodeResponse, ErrorResponse, HealthResponse, LoadingResponse, PageCodes, PageText,
+                                        decode_request_schema)
 from ocr_latent.serving.settings import Settings, settings as read_settings
 from ocr_latent.serving.streaming import TextFeed
 from ocr_latent.serving.telemetry import Metrics
@@ -265,14 +266,17 @@ DECODE_ANSWERS = {**ERRORS, 409: {"model": ErrorResponse, "description": "codes 
              openapi_extra=DECODE_BODY)
 async def decode(request: Request,
                  prompt: Literal["free", "markdown"] = Query("free", description="as the JSON field prompt"),
-                 max_tokens: int | None = Query(None, ge=1, le=MAX_TOKENS, description="as the JSON field max_tokens")):
+                 max_tokens: int | None = Query(None, ge=1, le=MAX_TOKENS, description="as the JSON field max_tokens"),
+                 min_tokens: int | None = Query(None, ge=0, le=MAX_TOKENS, description=MIN_TOKENS_DOC),
+                 ignore_eos: bool = Query(False, description=IGNORE_EOS_DOC)):
     """Codes -> the page's text, greedy. JSON with `codes` or `codes_b64` (one page; `stream` for
     server-sent events), or a codes file as the raw body (every page; refused with a 409 when another
     quantizer made it)."""
     engine = engine_of(request)
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype in (CODES_MEDIA_TYPE, "application/octet-stream"):
-        return await decode_file(request, engine, await request.body(), prompt, max_tokens or default_max_tokens(engine, prompt))
+        lengths = decode_lengths(engine, prompt, max_tokens, min_tokens, ignore_eos)
+        return await decode_file(request, engine, await request.body(), prompt, lengths)
     body = await read_json(request)
     try:
         req = DecodeRequest.model_validate(body)
@@ -288,15 +292,26 @@ async def decode(request: Request,
                                                    f"need exactly {PACKED_BYTES} bytes ({NUM_CODES} codes)")
         codes = unpack(raw).astype(np.uint8)
     prompt = req.prompt or prompt
-    max_tokens = req.max_tokens or max_tokens or default_max_tokens(engine, prompt)
+    lengths = decode_lengths(engine, prompt, req.max_tokens or max_tokens,
+                             req.min_tokens if req.min_tokens is not None else min_tokens,
+                             req.ignore_eos if req.ignore_eos is not None else ignore_eos)
     if req.stream:
-        return stream_decode(engine, codes, prompt, max_tokens)
-    [result] = await run_jobs(request, engine, [lambda: engine.decode(codes, prompt, max_tokens)])
+        return stream_decode(engine, codes, prompt, lengths)
+    [result] = await run_jobs(request, engine, [lambda: engine.decode(codes, prompt, **lengths)])
     return DecodeResponse(text=result.text, num_tokens=result.num_tokens, finish_reason=result.finish_reason,
                           prompt_tokens=result.prompt_tokens)
 
 
-async def decode_file(request: Request, engine: EngineLike, data: bytes, prompt: str, max_tokens: int):
+def decode_lengths(engine: EngineLike, prompt: str, max_tokens: int | None, min_tokens: int | None,
+                   ignore_eos: bool) -> dict:
+    """engine.decode's max_tokens, min_tokens and ignore_eos: without max_tokens, the default raised to min_tokens
+    (the engine refuses what does not fit a slot, naming the field)."""
+    min_tokens = min_tokens or 0
+    return {"max_tokens": max_tokens or max(default_max_tokens(engine, prompt), min_tokens), "min_tokens": min_tokens,
+            "ignore_eos": ignore_eos}
+
+
+async def decode_file(request: Request, engine: EngineLike, data: bytes, prompt: str, lengths: dict):
     max_pages = request.app.state.settings.max_pages
     try:
         doc = CodesFile.from_bytes(data)
@@ -312,7 +327,7 @@ async def decode_file(request: Request, engine: EngineLike, data: bytes, prompt:
     if len(doc.pages) > max_pages:
         raise ApiError(413, "payload_too_large", f"the codes file holds {len(doc.pages)} pages; at most "
                                                  f"{max_pages} per request (MAX_PAGES)")
-    results = await run_jobs(request, engine, [lambda c=c: engine.decode(c, prompt, max_tokens) for c in doc.pages])
+    results = await run_jobs(request, engine, [lambda c=c: engine.decode(c, prompt, **lengths) for c in doc.pages])
     return DecodePagesResponse(quantizer=doc.quantizer, pages=[
         PageText(page=i + 1, text=r.text, num_tokens=r.num_tokens, finish_reason=r.finish_reason,
                  prompt_tokens=r.prompt_tokens) for i, r in enumerate(results)])
@@ -322,12 +337,12 @@ def sse(name: str, data: dict) -> bytes:
     return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
 
 
-def stream_decode(engine: EngineLike, codes: np.ndarray, prompt: str, max_tokens: int) -> StreamingResponse:
+def stream_decode(engine: EngineLike, codes: np.ndarray, prompt: str, lengths: dict) -> StreamingResponse:
     """Server-sent events: `delta` {text} as the text grows, then `done` {text, num_tokens, prompt_tokens,
-    finish_reason} or `error` {error}. A client that leaves cancels the job."""
+    finish_reason} or `error` {error}. A client that leaves cancels the job. `lengths`: decode_lengths'."""
     feed = TextFeed()
     try:
-        job = engine.decode(codes, prompt, max_tokens, on_text=feed.on_text)
+        job = engine.decode(codes, prompt, on_text=feed.on_text, **lengths)
     except EngineError as e:
         raise http_error(e) from None
     except ValueError as e:
@@ -379,9 +394,10 @@ def live_openapi(app: FastAPI) -> Callable[[], dict]:
         for param in decode_op["parameters"]:
             if param["name"] == "prompt":
                 param["schema"]["enum"] = sorted(info.prompts)
-            if param["name"] == "max_tokens":
+            if param["name"] in ("max_tokens", "min_tokens"):
                 param["schema"]["anyOf"][0]["maximum"] = most
-        decode_op["requestBody"]["content"]["application/json"]["schema"]["properties"]["max_tokens"]["maximum"] = most
+        for name in ("max_tokens", "min_tokens"):
+            decode_op["requestBody"]["content"]["application/json"]["schema"]["properties"][name]["maximum"] = most
         return live
 
     return openapi

@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     dec.add_argument("input", help="a codes file (.olc; - for stdin), or the 2,048 bytes of one page's bare codes")
     dec.add_argument("--prompt", choices=("free", "markdown"), default="free")
     dec.add_argument("--max-tokens", type=int, default=4096)
+    dec.add_argument("--min-tokens", type=int, default=0,
+                     help="fewest tokens a page's text has: EOS and the repetition rule cannot end it sooner")
+    dec.add_argument("--ignore-eos", action="store_true", help="generate every page to --max-tokens (benchmarks)")
     dec.add_argument("--stream", action="store_true", help="print the text as it is generated")
     dec.add_argument("--json", action="store_true", help="print the server's answer per page as JSON lines")
     sub.add_parser("health", parents=[remote], help="the server's /health, as JSON")
@@ -161,13 +164,14 @@ def decode(client, doc, args) -> None:
             if i and not args.json:
                 out.write(PAGE_SEPARATOR)
             final: dict = {}
-            for piece in client.decode_stream(codes, doc.quantizer, args.prompt, args.max_tokens, final):
+            for piece in client.decode_stream(codes, doc.quantizer, args.prompt, args.max_tokens, final,
+                                              args.min_tokens, args.ignore_eos):
                 if not args.json:
                     out.write(piece)
                     out.flush()
             out.write(json.dumps({"page": i + 1, **final}) + "\n" if args.json else "\n")
         return
-    pages = client.decode(doc, args.prompt, args.max_tokens)
+    pages = client.decode(doc, args.prompt, args.max_tokens, args.min_tokens, args.ignore_eos)
     if args.json:
         out.writelines(json.dumps(p) + "\n" for p in pages)
     else:

@@ -27,6 +27,12 @@ from ocr_latent.client.codesfile import MEDIA_TYPE, CodesFile, pack
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
+def length_options(min_tokens: int, ignore_eos: bool) -> dict:
+    """min_tokens and ignore_eos as /decode's JSON fields or query parameters (httpx writes True as true), sent
+    only when asked for: a server from before them refuses unknown JSON fields."""
+    return {**({"min_tokens": min_tokens} if min_tokens else {}), **({"ignore_eos": True} if ignore_eos else {})}
+
+
 class ClientError(Exception):
     pass
 
@@ -67,19 +73,23 @@ class Client:
                        headers={"Content-Type": "application/octet-stream", "Accept": MEDIA_TYPE})
         return CodesFile.from_bytes(r.content)
 
-    def decode(self, codes: CodesFile, prompt: str = "free", max_tokens: int = 4096) -> list[dict]:
+    def decode(self, codes: CodesFile, prompt: str = "free", max_tokens: int = 4096, min_tokens: int = 0,
+               ignore_eos: bool = False) -> list[dict]:
         """Every page of a codes file -> [{page, text, num_tokens, finish_reason, prompt_tokens}]. The
-        server refuses (409) codes of a quantizer other than its own."""
-        r = self._send("POST", "/decode", params={"prompt": prompt, "max_tokens": max_tokens},
+        server refuses (409) codes of a quantizer other than its own. `min_tokens`: EOS and the repetition
+        rule cannot end a page's text sooner; `ignore_eos`: every page runs to max_tokens."""
+        r = self._send("POST", "/decode", params={"prompt": prompt, "max_tokens": max_tokens,
+                                                  **length_options(min_tokens, ignore_eos)},
                        content=codes.to_bytes(), headers={"Content-Type": MEDIA_TYPE})
         return r.json()["pages"]
 
     def decode_stream(self, codes: np.ndarray, quantizer: str | None = None, prompt: str = "free",
-                      max_tokens: int = 4096, final: dict | None = None) -> Iterator[str]:
+                      max_tokens: int = 4096, final: dict | None = None, min_tokens: int = 0,
+                      ignore_eos: bool = False) -> Iterator[str]:
         """One page's codes -> the pieces of its text as the server generates them. `final`, when given,
         receives the last event's fields (text, num_tokens, prompt_tokens, finish_reason)."""
         body = {"codes_b64": base64.b64encode(pack(codes)).decode(), "prompt": prompt, "max_tokens": max_tokens,
-                "stream": True, **({"quantizer": quantizer} if quantizer else {})}
+                "stream": True, **({"quantizer": quantizer} if quantizer else {}), **length_options(min_tokens, ignore_eos)}
         for attempt in range(self.retries + 1):
             try:
                 with self.http.stream("POST", "/decode", json=body) as r:

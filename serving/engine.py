@@ -33,7 +33,7 @@ from PIL import Image
 from ocr_latent.architecture import MAX_LEVEL, NUM_CODES
 from ocr_latent.serving.errors import (Cancelled, DeadlineExceeded, EngineError, Loading, ModelFailure,  # noqa: F401
                                        Overloaded, Unavailable)
-from ocr_latent.serving.interface import EngineState, ServiceInfo
+from ocr_latent.serving.interface import EngineState, ServiceInfo, check_lengths
 from ocr_latent.serving.settings import Settings, settings
 from ocr_latent.serving.telemetry import Metrics
 
@@ -104,10 +104,12 @@ class EncodeJob(Job):
 class DecodeJob(Job):
     """Codes uint8 [NUM_CODES] + a prompt name -> DecodeResult. With `on_text`, the text is also handed
     over piece by piece as it is generated (called on the worker thread: it must not block); the
-    pieces join into DecodeResult.text."""
+    pieces join into DecodeResult.text. `min_tokens`, `ignore_eos`: as generation.Sequence's."""
     codes: np.ndarray
     prompt: str
     max_tokens: int
+    min_tokens: int = 0
+    ignore_eos: bool = False
     on_text: Callable[[str], None] | None = None
     seq: object = None  # decoder.Sequence while decoding
     stream: "TextStream | None" = None
@@ -185,17 +187,19 @@ class Engine(EngineState):
         return self.submit(EncodeJob(image=image, deadline=self.deadline(timeout_s)))
 
     def decode(self, codes: np.ndarray, prompt: str = "free", max_tokens: int = 4096,
-               timeout_s: float | None = None, on_text: Callable[[str], None] | None = None) -> DecodeJob:
+               timeout_s: float | None = None, on_text: Callable[[str], None] | None = None,
+               min_tokens: int = 0, ignore_eos: bool = False) -> DecodeJob:
+        """`min_tokens`: EOS and the loop detector cannot end it sooner; `ignore_eos`: nor ever, it runs to
+        max_tokens (vLLM's fields, for benchmarks of fixed output lengths)."""
         self.check_ready()  # the prompts and the cache's size are known once loaded
         if prompt not in self.prompts:
             raise ValueError(f"prompt {prompt!r} is not available for model {self.pipeline.label!r} "
                              f"(available: {', '.join(self.prompts)})")
-        if max_tokens > (most := self.max_new_tokens(prompt)):
-            raise ValueError(f"max_tokens={max_tokens} does not fit: a sequence holds {self.gen.slot_tokens} positions "
-                             f"(the model's {self.gen.max_positions}, or KV_CACHE_TOKENS / DECODE_SLOTS) and the page "
-                             f"and prompt take {self.pipeline.prompt_length(prompt)}; at most {most}")
-        return self.submit(DecodeJob(codes=codes, prompt=prompt, max_tokens=max_tokens, on_text=on_text,
-                                     deadline=self.deadline(timeout_s)))
+        check_lengths(max_tokens, min_tokens, self.max_new_tokens(prompt),
+                      f"a sequence holds {self.gen.slot_tokens} positions (the model's {self.gen.max_positions}, or "
+                      f"KV_CACHE_TOKENS / DECODE_SLOTS) and the page and prompt take {self.pipeline.prompt_length(prompt)}")
+        return self.submit(DecodeJob(codes=codes, prompt=prompt, max_tokens=max_tokens, min_tokens=min_tokens,
+                                     ignore_eos=ignore_eos, on_text=on_text, deadline=self.deadline(timeout_s)))
 
     def max_new_tokens(self, prompt: str = "free") -> int:
         """The most tokens a decode with `prompt` may ask for: what a cache slot holds beyond the prompt."""
@@ -402,7 +406,8 @@ class Engine(EngineState):
             return
         t0 = time.perf_counter()
         try:
-            seqs = self.gen.add(inputs, [j.max_tokens for j in ok])
+            seqs = self.gen.add(inputs, [j.max_tokens for j in ok], [j.min_tokens for j in ok],
+                                [j.ignore_eos for j in ok])
         except Exception as e:  # noqa: BLE001
             self._generator_failed(e, ok)
             return

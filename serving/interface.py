@@ -42,9 +42,23 @@ class EngineLike(Protocol):
     def max_new_tokens(self, prompt: str = "free") -> int: ...
     def encode(self, image, timeout_s: float | None = None) -> JobLike: ...
     def decode(self, codes: np.ndarray, prompt: str = "free", max_tokens: int = 4096, timeout_s: float | None = None,
-               on_text: Callable[[str], None] | None = None) -> JobLike: ...
+               on_text: Callable[[str], None] | None = None, min_tokens: int = 0,
+               ignore_eos: bool = False) -> JobLike: ...
     def cancel(self, job: JobLike) -> None: ...
     def deadline_error(self) -> DeadlineExceeded: ...
+
+
+def check_lengths(max_tokens: int, min_tokens: int, most: int, slot: str) -> None:
+    """Refuse (ValueError: a 422) what no cache slot could honour: `most` is what one holds beyond the page and
+    prompt, `slot` says what bounds it. max_tokens' own range (1..8192) is the schema's."""
+    if min_tokens < 0:
+        raise ValueError(f"min_tokens={min_tokens}: give 0 or more")
+    if min_tokens > max_tokens:
+        raise ValueError(f"min_tokens={min_tokens} is more than max_tokens={max_tokens}: a decode cannot generate "
+                         f"more tokens than max_tokens; raise max_tokens or lower min_tokens")
+    for name, n in (("min_tokens", min_tokens), ("max_tokens", max_tokens)):
+        if n > most:
+            raise ValueError(f"{name}={n} does not fit: {slot}; at most {most}")
 
 
 class EngineState:

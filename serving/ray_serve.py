@@ -35,7 +35,7 @@ from ray.serve.exceptions import BackPressureError
 from ocr_latent.serving.engine import DecodeResult, Engine, EngineConfig
 from ocr_latent.serving.errors import (Cancelled, DeadlineExceeded, EngineError, Loading, ModelFailure, Overloaded,
                                        Unavailable)
-from ocr_latent.serving.interface import EngineState, ServiceInfo
+from ocr_latent.serving.interface import EngineState, ServiceInfo, check_lengths
 from ocr_latent.serving.settings import environment, settings
 from ocr_latent.serving.streaming import TextFeed
 from ocr_latent.serving.telemetry import Metrics
@@ -104,14 +104,18 @@ class EngineReplica:
     async def encode(self, image) -> np.ndarray | Refused:
         return await self._result(lambda: self.engine.encode(image))
 
-    async def decode(self, codes: np.ndarray, prompt: str, max_tokens: int) -> DecodeResult | Refused:
-        return await self._result(lambda: self.engine.decode(codes, prompt, max_tokens))
+    async def decode(self, codes: np.ndarray, prompt: str, max_tokens: int, min_tokens: int = 0,
+                     ignore_eos: bool = False) -> DecodeResult | Refused:
+        return await self._result(lambda: self.engine.decode(codes, prompt, max_tokens, min_tokens=min_tokens,
+                                                             ignore_eos=ignore_eos))
 
-    async def decode_stream(self, codes: np.ndarray, prompt: str, max_tokens: int):
+    async def decode_stream(self, codes: np.ndarray, prompt: str, max_tokens: int, min_tokens: int = 0,
+                            ignore_eos: bool = False):
         """Pieces of text (str) as they are generated, then the DecodeResult (or a Refused)."""
         feed = TextFeed()
         try:
-            job = self.engine.decode(codes, prompt, max_tokens, on_text=feed.on_text)
+            job = self.engine.decode(codes, prompt, max_tokens, on_text=feed.on_text, min_tokens=min_tokens,
+                                     ignore_eos=ignore_eos)
         except EngineError as e:
             yield Refused.of(e)
             return
@@ -188,16 +192,16 @@ class RemoteEngine(EngineState):
         return job
 
     def decode(self, codes: np.ndarray, prompt: str = "free", max_tokens: int = 4096,
-               timeout_s: float | None = None, on_text=None) -> RemoteJob:
+               timeout_s: float | None = None, on_text=None, min_tokens: int = 0, ignore_eos: bool = False) -> RemoteJob:
         self.check_ready()
         if prompt not in self.prompts:
             raise ValueError(f"prompt {prompt!r} is not available for model {self.info.label!r} "
                              f"(available: {', '.join(self.prompts)})")
-        if max_tokens > (most := self.max_new_tokens(prompt)):  # the replica would refuse it: a 422, not a 500
-            raise ValueError(f"max_tokens={max_tokens} does not fit a decode replica's cache slot (KV_CACHE_TOKENS, "
-                             f"DECODE_SLOTS) with this page and prompt; at most {most}")
+        # what the replica would refuse: a 422 here, not a 500 there
+        check_lengths(max_tokens, min_tokens, self.max_new_tokens(prompt),
+                      "a decode replica's cache slot (KV_CACHE_TOKENS, DECODE_SLOTS) holds the page, the prompt and the tokens")
         job = RemoteJob(deadline=self.deadline(timeout_s))
-        args = (codes, prompt, max_tokens)
+        args = (codes, prompt, max_tokens, min_tokens, ignore_eos)
         job.task = asyncio.get_running_loop().create_task(
             self._call(job, "decode", *args) if on_text is None else self._stream(job, on_text, *args))
         return job

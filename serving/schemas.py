@@ -56,6 +56,12 @@ class EncodePagesResponse(BaseModel):
     mode: str
 
 
+MIN_TOKENS_DOC = ("fewest tokens to generate: EOS and the repetition rule cannot end the text sooner (default 0; at most "
+                  "max_tokens; without max_tokens, max_tokens is raised to it)")
+IGNORE_EOS_DOC = ("generate until max_tokens: EOS is never chosen and the repetition rule never stops (default false; "
+                  "for benchmarks of fixed output lengths)")
+
+
 class DecodeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # the constraints are checked in _one_source (with messages that name the bad entry); the schema states them
@@ -71,6 +77,9 @@ class DecodeRequest(BaseModel):
     max_tokens: JsonInt | None = Field(None, ge=1, le=MAX_TOKENS, description="most tokens to generate (EOS "
                                                                             "included; default 4096); overrides the "
                                                                             "query parameter")
+    min_tokens: JsonInt | None = Field(None, ge=0, le=MAX_TOKENS, description=MIN_TOKENS_DOC + "; overrides the query "
+                                                                                        "parameter")
+    ignore_eos: StrictBool | None = Field(None, description=IGNORE_EOS_DOC + "; overrides the query parameter")
     quantizer: StrictStr | None = Field(None, pattern=FINGERPRINT.pattern,
                                         description="the fingerprint /encode returned with these codes: a 409 when it "
                                                     "is not this server's quantizer (instead of wrong text)")
@@ -93,6 +102,13 @@ class DecodeRequest(BaseModel):
                 bad = next((i for i, c in enumerate(codes) if type(c) is float and not c.is_integer()), None)
                 if bad is not None:
                     raise ValueError(f"codes[{bad}] = {codes[bad]} is not an integer")
+        return self
+
+    @model_validator(mode="after")
+    def _lengths(self):  # a query parameter's max_tokens is checked against min_tokens by the engine
+        if self.min_tokens is not None and self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} is more than max_tokens={self.max_tokens}: a decode cannot "
+                             f"generate more tokens than max_tokens; raise max_tokens or lower min_tokens")
         return self
 
 
@@ -166,6 +182,9 @@ def decode_request_schema(quantizer: str | None = None, prompts: list[str] | Non
                        "description": props["prompt"]["description"]}
     props["max_tokens"] = {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS, "default": 4096,
                            "description": props["max_tokens"]["description"]}
+    props["min_tokens"] = {"type": "integer", "minimum": 0, "maximum": MAX_TOKENS, "default": 0,
+                           "description": props["min_tokens"]["description"]}
+    props["ignore_eos"] = {"type": "boolean", "default": False, "description": props["ignore_eos"]["description"]}
     props["quantizer"] = {"type": "string", "pattern": FINGERPRINT.pattern, "description": props["quantizer"]["description"],
                           **({"enum": [quantizer]} if quantizer else {})}
     schema["oneOf"] = [{"required": ["codes"]}, {"required": ["codes_b64"]}]

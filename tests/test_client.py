@@ -268,6 +268,33 @@ def test_cli_encode_then_decode_prints_the_pages_text(server, pages, tmp_path):
 
 
 @pytest.mark.slow  # the module's server
+def test_the_client_and_the_command_ask_for_fixed_lengths(server, pages, tmp_path):
+    """min_tokens and ignore_eos through Client.decode (a codes file: query parameters), decode_stream (JSON)
+    and `ocr-latent decode --ignore-eos / --min-tokens`."""
+    with Client(server.url, KEY) as c:
+        doc = c.encode(png_bytes(pages[3].image))
+        [plain] = c.decode(doc, max_tokens=400)
+        n = plain["num_tokens"] + 12
+        [fixed] = c.decode(doc, max_tokens=n, ignore_eos=True)
+        assert (fixed["finish_reason"], fixed["num_tokens"]) == ("length", n)
+        [least] = c.decode(doc, max_tokens=400, min_tokens=n)
+        assert least["num_tokens"] >= n
+        final: dict = {}
+        streamed = "".join(c.decode_stream(doc.pages[0], doc.quantizer, max_tokens=n, final=final, ignore_eos=True))
+        assert streamed == fixed["text"] and final["num_tokens"] == n and final["finish_reason"] == "length"
+        with pytest.raises(ApiError, match="min_tokens=401 is more than max_tokens=400"):
+            c.decode(doc, max_tokens=400, min_tokens=401)
+    (tmp_path / "page.olc").write_bytes(doc.to_bytes())
+    auth = ("--url", server.url, "--api-key", KEY)
+    for flags in (("--ignore-eos", "--max-tokens", str(n)), ("--min-tokens", str(n), "--stream")):
+        r = ocr_latent("decode", str(tmp_path / "page.olc"), "--json", *flags, *auth)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["num_tokens"] >= n
+    r = ocr_latent("decode", str(tmp_path / "page.olc"), "--min-tokens", "-1", *auth)
+    assert r.returncode == 1 and b"422" in r.stderr and b"min_tokens" in r.stderr, r.stderr
+
+
+@pytest.mark.slow  # the module's server
 def test_cli_errors_are_messages_and_exit_status_1(server, tmp_path):
     auth = ("--url", server.url, "--api-key", KEY)
     tampered = tmp_path / "other.olc"
@@ -377,7 +404,9 @@ def test_max_tokens_beyond_the_models_positions_is_a_422_that_says_the_limit(htt
     most = int(err["message"].rsplit("at most ", 1)[1])
     assert 0 < most < 8192 and "positions" in err["message"]
     schema = http.get("/openapi.json").json()["paths"]["/decode"]["post"]
-    assert schema["requestBody"]["content"]["application/json"]["schema"]["properties"]["max_tokens"]["maximum"] == most
+    for name in ("max_tokens", "min_tokens"):  # the body's fields and the query parameters
+        assert schema["requestBody"]["content"]["application/json"]["schema"]["properties"][name]["maximum"] == most
+        assert next(p for p in schema["parameters"] if p["name"] == name)["schema"]["anyOf"][0]["maximum"] == most
     r = http.post("/decode", json={"codes": [8] * 4096, "max_tokens": most})
     assert r.status_code == 200 and r.json()["num_tokens"] <= most
 

@@ -253,6 +253,45 @@ def test_a_banned_best_token_is_replaced_and_the_next_step_reads_the_replacement
     assert overridden >= 3 and seq.tokens == tokens
 
 
+def test_min_tokens_and_ignore_eos_hold_eos_back_per_row(small_modules):
+    """EOS made the token a sequence reads at step 4: alone it stops there; beside it, in the same steps,
+    min_tokens=9 generates at least 9 tokens and no EOS among them, ignore_eos exactly max_tokens, and a row
+    without either reads as it does alone. All agree token for token up to where EOS was held back."""
+    _, decoder = small_modules
+    prompts = _prompts(decoder, [9, 14, 11], seed=3)
+    free = Generator(decoder, 4, eos_id=-1, rule=None, kv_tokens=256).generate(prompts, [30] * 3)
+    eos = free[0].tokens[4]
+    first = free[0].tokens.index(eos)
+    alone = Generator(decoder, 4, eos_id=eos, rule=None, kv_tokens=256).generate(prompts, [30] * 3)
+    assert alone[0].finish_reason == "stop" and len(alone[0].tokens) == first + 1
+    gen = Generator(decoder, 4, eos_id=eos, rule=RepetitionRule(), kv_tokens=256)
+    held, ignoring, plain = gen.generate([prompts[0], prompts[0], prompts[1]], [30, 24, 30], min_tokens=[9, 0, 0],
+                                         ignore_eos=[False, True, False])
+    assert eos not in held.tokens[:9] and len(held.tokens) - (held.finish_reason == "stop") >= 9
+    assert held.tokens[:first] == ignoring.tokens[:first] == free[0].tokens[:first]
+    assert ignoring.finish_reason == "length" and len(ignoring.tokens) == 24 and eos not in ignoring.tokens
+    assert plain.tokens == alone[1].tokens and plain.finish_reason == alone[1].finish_reason
+    # the first token too (chosen at prefill): EOS first, held back by min_tokens=1
+    (at_once,) = Generator(decoder, 2, eos_id=free[2].tokens[0], rule=None, kv_tokens=256).generate([prompts[2]], [5])
+    assert at_once.finish_reason == "stop" and len(at_once.tokens) == 1
+    (one,) = Generator(decoder, 2, eos_id=free[2].tokens[0], rule=None, kv_tokens=256).generate(
+        [prompts[2]], [5], min_tokens=[1])
+    assert one.tokens[0] != free[2].tokens[0] and len(one.tokens) >= 2
+
+
+@torch.inference_mode()
+def test_ignore_eos_outlasts_the_loop_detector_and_min_tokens_delays_it(small_modules):
+    """A rule that calls everything a loop after 3 tokens: it stops a plain sequence at once, a min_tokens
+    one at min_tokens, and never one that ignores EOS."""
+    _, decoder = small_modules
+    rule = RepetitionRule(ngram=0, max_period=0, fuzzy_window=3, fuzzy_gram=1, fuzzy_min_distinct=2.0)
+    gen = Generator(decoder, 4, eos_id=-1, rule=rule, kv_tokens=256)
+    plain, least, ignoring = gen.generate(_prompts(decoder, [9, 9, 9]), [20] * 3, [0, 7, 0], [False, False, True])
+    assert (plain.finish_reason, len(plain.tokens)) == ("repetition", 3)
+    assert (least.finish_reason, len(least.tokens)) == ("repetition", 7)
+    assert (ignoring.finish_reason, len(ignoring.tokens)) == ("length", 20)
+
+
 @pytest.mark.slow  # a bench subprocess (~32 s here)
 def test_gpu_bench_tiny_runs_and_prints_its_json():
     # compiled at one sequence too: the three variants a GPU run compares (without graphs on a CPU)
@@ -294,7 +333,7 @@ def test_a_step_whose_capture_fails_runs_eagerly_with_the_same_tokens(small_modu
     gen = Generator(decoder, 2, eos_id=-1, rule=None, kv_tokens=128)
     gen.cuda_graphs = True  # as on CUDA, where the capture below is refused
 
-    def refuse(B, L):
+    def refuse(B, L, hold_eos=False):
         raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
     gen._capture = refuse
     assert [s.tokens for s in gen.generate(prompts, [12, 12])] == expected

@@ -115,6 +115,31 @@ def test_the_kv_cache_is_sized_once_and_requests_that_cannot_fit_are_refused(pag
         engine.stop()
 
 
+def test_min_tokens_and_ignore_eos_read_on_past_the_end_and_are_refused_beyond_a_slot(pages):
+    slot = 600  # the page and prompt take 284
+    engine = Engine(EngineConfig(torch_threads=1, decode_slots=4, kv_cache_tokens=4 * slot)).start()
+    try:
+        engine.wait_ready(60)
+        codes = engine.encode(pages[0].image).future.result(60)
+        plain = engine.decode(codes, "free", 300).future.result(120)
+        assert plain.finish_reason == "stop" and plain.num_tokens < 250
+        n = plain.num_tokens + 20
+        jobs = [engine.decode(codes, "free", n, ignore_eos=True), engine.decode(codes, "free", 300, min_tokens=n),
+                engine.decode(codes, "free", 300, min_tokens=5)]  # together, in one batch
+        ignoring, least, early = [j.future.result(120) for j in jobs]
+        assert (ignoring.finish_reason, ignoring.num_tokens) == ("length", n)
+        assert least.num_tokens >= n and ignoring.text.startswith(plain.text) and least.text.startswith(plain.text)
+        assert early == plain  # a min_tokens the reading passes anyway changes nothing
+        most = engine.max_new_tokens("free")
+        for lengths, says in ((dict(max_tokens=10, min_tokens=11), "min_tokens=11 is more than max_tokens=10"),
+                              (dict(max_tokens=most + 1, min_tokens=most + 1), f"min_tokens={most + 1} does not fit"),
+                              (dict(min_tokens=-1), "give 0 or more")):
+            with pytest.raises(ValueError, match=says):
+                engine.decode(codes, "free", **lengths)
+    finally:
+        engine.stop()
+
+
 @pytest.mark.slow  # torch.compile (~16 s here)
 def test_compiled_decode_steps_read_what_eager_ones_read(pages):
     """COMPILE=1: the steps go through torch.compile (compiled during warm-up, so no request waits for it)

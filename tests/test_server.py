@@ -212,6 +212,29 @@ def test_max_tokens_length(client, held_out):
     assert cut["text"] == out["text"] and cut["finish_reason"] == "length" and cut["num_tokens"] == out["num_tokens"]
 
 
+def test_ignore_eos_and_min_tokens_read_on_past_the_end(client, held_out):
+    """vLLM's fields for benchmarks of fixed output lengths: ignore_eos runs to max_tokens exactly, min_tokens
+    holds EOS back until that many tokens; the text up to where the page ended is the page's."""
+    codes = encode(client, held_out[2].image)["codes"]
+    plain = decode(client, codes, 400)
+    assert plain["finish_reason"] == "stop", plain
+    n = plain["num_tokens"] + 16
+    fixed = decode(client, codes, n, ignore_eos=True)
+    assert (fixed["finish_reason"], fixed["num_tokens"]) == ("length", n) and fixed["text"].startswith(plain["text"])
+    least = decode(client, codes, 400, min_tokens=n)
+    assert least["num_tokens"] >= n and least["text"].startswith(plain["text"]), least
+    assert decode(client, codes, 400, min_tokens=3, ignore_eos=False) == plain  # met anyway: nothing changes
+    body = {"codes": codes, "max_tokens": n, "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/decode", json=body) as r:
+        done = json.loads([line for line in r.iter_lines() if line.startswith("data:")][-1][5:])
+    assert done == {k: fixed[k] for k in ("text", "num_tokens", "prompt_tokens", "finish_reason")}
+    # beyond what a slot holds (without max_tokens, max_tokens is raised to min_tokens): refused as max_tokens is
+    err = assert_error(client.post("/decode", json={"codes": codes, "min_tokens": 8192}), 422)
+    assert err["message"].startswith("min_tokens=8192 does not fit") and "at most" in err["message"], err
+    err = assert_error(client.post("/decode?max_tokens=10", json={"codes": codes, "min_tokens": 11}), 422)
+    assert err["message"].startswith("min_tokens=11 is more than max_tokens=10"), err
+
+
 def test_16_concurrent_clients_get_their_own_results(client, held_out):
     images = [p.image for p in held_out]
     alone_codes = [encode(client, im)["codes"] for im in images]
@@ -256,6 +279,11 @@ BAD_REQUESTS = [
     ("bad prompt", "/decode", {"json": {"codes": [0] * 4096, "prompt": "poem"}}, 422),
     ("max_tokens 0", "/decode", {"json": {"codes": [0] * 4096, "max_tokens": 0}}, 422),
     ("max_tokens 8193", "/decode", {"json": {"codes": [0] * 4096, "max_tokens": 8193}}, 422),
+    ("min_tokens -1", "/decode", {"json": {"codes": [0] * 4096, "min_tokens": -1}}, 422),
+    ("min_tokens 8193", "/decode", {"json": {"codes": [0] * 4096, "min_tokens": 8193}}, 422),
+    ("min_tokens 2.5", "/decode", {"json": {"codes": [0] * 4096, "min_tokens": 2.5}}, 422),
+    ("min_tokens over max_tokens", "/decode", {"json": {"codes": [0] * 4096, "max_tokens": 4, "min_tokens": 5}}, 422),
+    ("ignore_eos not a boolean", "/decode", {"json": {"codes": [0] * 4096, "ignore_eos": "yes"}}, 422),
     ("both codes and b64", "/decode", {"json": {"codes": [0] * 4096, "codes_b64": _codes_b64(2048)}}, 422),
     ("neither codes nor b64", "/decode", {"json": {"max_tokens": 5}}, 422),
     ("json array", "/decode", {"json": [1, 2, 3]}, 422),
