@@ -235,6 +235,29 @@ def test_ignore_eos_and_min_tokens_read_on_past_the_end(client, held_out):
     assert err["message"].startswith("min_tokens=11 is more than max_tokens=10"), err
 
 
+def test_the_serve_load_bench_reports_sane_figures(server):
+    """bench/serve_load.py at tiny sizes against this server: closed loop at 1 and 2 clients on encoded held-out
+    pages, then an open loop of random codes with min_tokens fixing the length."""
+    def bench(*args: str) -> dict:
+        out = subprocess.run([sys.executable, "bench/serve_load.py", "--url", server.url, *args], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    closed = bench("--clients", "1,2", "--requests", "4", "--output-tokens", "16")
+    opened = bench("--rate", "50", "--requests", "3", "--output-tokens", "8", "--random-codes", "--lengths", "min_tokens")
+    assert [level["clients"] for level in closed["levels"]] == [1, 2] and [level["rate"] for level in opened["levels"]] == [50]
+    assert closed["commit"] and closed["server"]["model"] == "nano" and closed["settings"]["output_tokens"] == 16
+    for level, n, tokens in (*((level, 4, 16) for level in closed["levels"]), (opened["levels"][0], 3, 8)):
+        assert level["succeeded"] == level["requests"] == n and level["errors"] == {}, level
+        assert level["output_tokens"] == n * tokens and level["exact_lengths"] == n and level["finish_reasons"] == {"length": n}
+        assert level["output_tokens_per_s"] > 0 and level["requests_per_s"] > 0
+        for name in ("ttft_ms", "tpot_ms", "itl_ms", "latency_ms"):
+            p = level[name]
+            assert 0 <= p["p50"] <= p["p90"] <= p["p99"] and p["mean"] >= 0, (name, p)
+        assert level["ttft_ms"]["p50"] > 0 and level["latency_ms"]["p50"] >= level["ttft_ms"]["p50"]
+
+
 def test_16_concurrent_clients_get_their_own_results(client, held_out):
     images = [p.image for p in held_out]
     alone_codes = [encode(client, im)["codes"] for im in images]
