@@ -95,6 +95,8 @@ def test_health_errors_and_metrics_are_the_plain_servers(clients):
            ("POST", "/decode", {"json": {"codes_b64": codes, "prompt": "markdown"}}),  # nano cannot spell it
            ("POST", "/decode", {"json": {"codes_b64": codes[:-8]}}),
            ("POST", "/decode", {"json": {"codes_b64": codes, "max_tokens": 8192}}),  # beyond a cache slot
+           ("POST", "/decode", {"json": {"codes_b64": codes, "min_tokens": 8192}}),  # the same, by min_tokens
+           ("POST", "/decode?max_tokens=10", {"json": {"codes_b64": codes, "min_tokens": 11}}),
            ("POST", "/encode", {"content": b"not an image", "headers": {"Content-Type": "image/png"}}),
            ("POST", "/encode", {"content": b"x" * 1_100_000, "headers": {"Content-Type": "image/png"}})]
     for method, path, kw in bad:
@@ -123,6 +125,11 @@ def test_same_codes_and_texts_as_the_plain_server(clients, images):
         with ray.stream("POST", "/decode", json={**request, "stream": True}) as r:  # streamed through Ray
             events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
         assert "".join(e["text"] for e in events[:-1]) == text["text"] and events[-1] == text
+    fixed = {**request, "max_tokens": text["num_tokens"] + 8, "ignore_eos": True}  # read on past the page's end
+    assert ray.post("/decode", json=fixed).json() == plain.post("/decode", json=fixed).json()
+    with ray.stream("POST", "/decode", json={**fixed, "stream": True}) as r:
+        done = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")][-1]
+    assert (done["num_tokens"], done["finish_reason"]) == (text["num_tokens"] + 8, "length")
     pdf = {"content": pdf_bytes(images[3:5]), "headers": {"Content-Type": "application/pdf"}}
     olc = plain.post("/encode?format=olc", **pdf).content
     assert ray.post("/encode?format=olc", **pdf).content == olc
