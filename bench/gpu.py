@@ -16,9 +16,15 @@ parameters) with random weights made on the device (nothing is downloaded), then
     (the default), projections as GEMM calls ("_gemm"), and GEMM calls with grouped expert GEMMs
     ("_grouped", the code before the in-place paths);
   * time to healthy: the random model written as an original-layout checkpoint (safetensors, config.json,
-    the nano tokenizer's files) with a quantizer made for it, then a fresh process timed from its start
-    until its engine is ready (weights read and moved to the device, one warm-up encode and decode);
+    nano's special tokens and a tokenizer of the whole vocabulary) with a quantizer made for it, then a
+    fresh process timed from its start until its engine is ready (weights read and moved to the device, one warm-up encode and decode);
+  * the step timeline: at --timeline-rows (128) sequences with the service's repetition rule, what a step
+    spends in the model's forward, in the host's work on its tokens (the rule, each row's choice, the
+    bookkeeping) and in detokenising each row's streamed text, separately (synchronised), then the
+    step as the engine meets it (unsynchronised);
   * peak memory of the whole run.
+`--write-checkpoint DIR` only writes the random model as that checkpoint, with its quantizer, to DIR (what
+bench/gpu_suite.sh serves and trains a quantizer on) and prints its JSON.
 Prints progress on stderr and one JSON line on stdout (also written to --out after each section, so a
 run stopped early keeps what it measured). A section that would run past --budget-s is skipped and
 named in "skipped". --profile FILE adds torch.profiler tables of a few decode steps at each level.
@@ -37,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -176,6 +183,80 @@ def _bench_decode(decoder, c, prompt_len, new_tokens, graphs, device, seed, prof
     return out, [s.tokens for s in seqs]
 
 
+def median_p90(xs: list[float]) -> dict:
+    return {"p50": 1e3 * statistics.median(xs), "p90": 1e3 * percentile(xs, 90)}
+
+
+@torch.inference_mode()
+def step_timeline(decoder, rows: int, prompt_len: int, steps: int, graphs: bool, device, seed: int = 0,
+                  label: str = "", **generator) -> dict:
+    """Where one decode step of `rows` sequences goes, with the service's repetition rule and streamed text:
+    the model's forward (Generator._run, synchronised before and after), the host's work on the new tokens
+    (the rest of Generator.step: the copy back, the rule, each row's choice, the bookkeeping) and the
+    detokenisation a streamed request adds (engine.TextStream.feed for each row); each ms a step (p50, p90),
+    over `steps` steps. Then `steps` more as the engine's loop meets them, unsynchronised: step and
+    detokenisation, ms a step. `generator`: Generator's options for this run."""
+    from ocr_latent.architecture import GENERATION
+    from ocr_latent.generation import RepetitionRule
+    from ocr_latent.serving.engine import TextStream
+    tokenizer = full_vocab_tokenizer(decoder.cfg.vocab_size)
+    rule = RepetitionRule(**GENERATION["repetition"])
+    slot = 1 << (prompt_len + 2 * steps + 4).bit_length()
+    gen = Generator(decoder, rows, eos_id=-1, rule=rule, kv_tokens=rows * slot, buckets=graphs, cuda_graphs=graphs,
+                    **generator)
+    g = torch.Generator(device).manual_seed(seed)
+    prompts = [torch.randn(prompt_len, decoder.cfg.hidden_size, generator=g, device=device,
+                           dtype=decoder.embed_tokens.weight.dtype) for _ in range(rows)]
+    seqs = gen.add(prompts, [2 * steps + 3] * rows)
+    streams = [TextStream(lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) for _ in seqs]
+
+    def detokenise() -> None:
+        for seq, stream in zip(seqs, streams):
+            if seq.finish_reason is None:
+                stream.feed(seq.tokens)
+
+    for _ in range(2):  # the first steps capture this shape's graph (or warm the kernels)
+        gen.step()
+    run, forward, host, detok, running = gen._run, [], [], [], []
+
+    def timed_run(*a, **k):
+        sync(device)
+        t = time.perf_counter()
+        out = run(*a, **k)
+        sync(device)
+        forward.append(time.perf_counter() - t)
+        return out
+
+    gen._run = timed_run
+    for _ in range(steps):
+        running.append(sum(s.finish_reason is None for s in seqs))
+        sync(device)
+        t = time.perf_counter()
+        gen.step()
+        t1 = time.perf_counter()
+        detokenise()
+        detok.append(time.perf_counter() - t1)
+        host.append(t1 - t - forward[-1])
+    gen._run = run
+    wall = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        gen.step()
+        detokenise()
+        wall.append(time.perf_counter() - t)
+    sync(device)
+    rows_running = statistics.mean(running)
+    out = {"rows": rows, "rows_running_mean": rows_running, "steps": steps, "forward_ms": median_p90(forward),
+           "host_ms": median_p90(host), "detokenise_ms": median_p90(detok),
+           "host_us_per_row": 1e6 * statistics.median(host) / max(rows_running, 1),
+           "detokenise_us_per_row": 1e6 * statistics.median(detok) / max(rows_running, 1),
+           "step_wall_ms": median_p90(wall), "finish_reasons": dict(Counter(s.finish_reason for s in seqs))}
+    log(f"timeline {label} {rows:3d} rows: forward {out['forward_ms']['p50']:.3f} ms, host {out['host_ms']['p50']:.3f} ms "
+        f"({out['host_us_per_row']:.1f} us a row), detokenise {out['detokenise_ms']['p50']:.3f} ms; unsynchronised "
+        f"{out['step_wall_ms']['p50']:.3f} ms a step")
+    return out
+
+
 READY = """
 import json, logging, sys, time
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
@@ -186,24 +267,42 @@ print(json.dumps({"ready": engine.ready, "failed": engine.failed}))
 """
 
 
-def time_to_healthy(encoder, decoder, cfg: dict, device, dtype, timeout_s: float) -> dict:
-    """The random model as a checkpoint on disk, and a fresh process timed from its start to a ready engine."""
-    nano = ROOT / "weights" / "nano"
-    from tokenizers import Tokenizer
+def full_vocab_tokenizer(vocab_size: int):
+    """The nano tokenizer, with every id up to `vocab_size` a word of its own (" w<id>", an added token): as
+    the real tokenizer, every id a random model may read decodes to text, so that a stream of them carries
+    pieces of text (with nano's 100 ids alone almost none would, and TTFT and ITL would measure nothing)."""
+    from tokenizers import AddedToken, Tokenizer
+    tokenizer = Tokenizer.from_file(str(ROOT / "weights" / "nano" / "tokenizer.json"))
+    tokenizer.add_tokens([AddedToken(f" w{i}", normalized=False) for i in range(tokenizer.get_vocab_size(), vocab_size)])
+    return tokenizer
+
+
+def write_checkpoint(encoder, decoder, cfg: dict, dtype, out: Path) -> dict:
+    """The random model as an original-layout checkpoint in `out` (safetensors, config.json, nano's special
+    tokens and a tokenizer of the whole vocabulary) with a quantizer made for it: what MODEL_DIR and
+    QUANTIZER of a service, or train.py quantizer --base, read."""
     from ocr_latent.serving.pipeline import base_fingerprint
     from ocr_latent.quantizer import FSQ
     from ocr_latent.architecture import ARCHITECTURE
+    nano = ROOT / "weights" / "nano"
+    t = time.perf_counter()
+    model = OCRModel(cfg, encoder, decoder, SpecialTokens.from_files(nano, cfg), full_vocab_tokenizer(decoder.cfg.vocab_size))
+    save_model(model, out, dtype)
+    shutil.copy(nano / "tokenizer_config.json", out)
+    geometry = ARCHITECTURE["codes"]
+    quantizer = FSQ(decoder.cfg.hidden_size, geometry["tokens"], [geometry["levels"]] * geometry["dims"])
+    quantizer.save(out / "quantizer.safetensors", {"base_model": "random", "base_fingerprint": base_fingerprint(model)})
+    out_info = {"dir": str(out), "write_s": time.perf_counter() - t,
+                "checkpoint_gb": sum(f.stat().st_size for f in out.iterdir()) / 1e9}
+    log(f"wrote the random model to {out}: {out_info['checkpoint_gb']:.1f} GB in {out_info['write_s']:.1f} s")
+    return out_info
+
+
+def time_to_healthy(encoder, decoder, cfg: dict, device, dtype, timeout_s: float) -> dict:
+    """The random model as a checkpoint on disk, and a fresh process timed from its start to a ready engine."""
     work = Path(tempfile.mkdtemp(prefix="ocr-latent-gpu-bench-"))
     try:
-        t = time.perf_counter()
-        model = OCRModel(cfg, encoder, decoder, SpecialTokens.from_files(nano, cfg), Tokenizer.from_file(str(nano / "tokenizer.json")))
-        save_model(model, work, dtype)
-        shutil.copy(nano / "tokenizer_config.json", work)
-        geometry = ARCHITECTURE["codes"]
-        quantizer = FSQ(decoder.cfg.hidden_size, geometry["tokens"], [geometry["levels"]] * geometry["dims"])
-        quantizer.save(work / "quantizer.safetensors", {"base_model": "random", "base_fingerprint": base_fingerprint(model)})
-        write_s = time.perf_counter() - t
-        size_gb = sum(f.stat().st_size for f in work.iterdir()) / 1e9
+        written = write_checkpoint(encoder, decoder, cfg, dtype, work)
         env = {**os.environ, "MODEL_DIR": str(work), "QUANTIZER": str(work / "quantizer.safetensors"),
                "DEVICE": str(device), "DTYPE": str(dtype).removeprefix("torch.")}  # a name DTYPE accepts
         t = time.perf_counter()
@@ -216,9 +315,9 @@ def time_to_healthy(encoder, decoder, cfg: dict, device, dtype, timeout_s: float
     if not status.get("ready"):
         raise RuntimeError(f"the engine did not become ready (exit {proc.returncode}): {status.get('failed')}\n{proc.stderr[-3000:]}")
     phases = re.search(r"loaded in ([\d.]+)s, warmed up in ([\d.]+)s", proc.stderr)
-    out = {"time_to_healthy_s": healthy_s, "checkpoint_gb": size_gb, "write_checkpoint_s": write_s,
+    out = {"time_to_healthy_s": healthy_s, "checkpoint_gb": written["checkpoint_gb"], "write_checkpoint_s": written["write_s"],
            "load_s": float(phases[1]) if phases else None, "warmup_s": float(phases[2]) if phases else None}
-    log(f"time to healthy: {healthy_s:.1f} s (a {size_gb:.1f} GB checkpoint; load {out['load_s']} s, warm-up {out['warmup_s']} s)")
+    log(f"time to healthy: {healthy_s:.1f} s (a {out['checkpoint_gb']:.1f} GB checkpoint; load {out['load_s']} s, warm-up {out['warmup_s']} s)")
     return out
 
 
@@ -229,7 +328,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
             "mean_common_prefix": statistics.mean(prefix(x, y) for x, y in zip(a, b))}
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="CPU, the nano config, small sizes: a check that the script runs")
     ap.add_argument("--config", help="config.json (default: bench/deepseek-ocr-config.json; --tiny: weights/nano)")
@@ -242,62 +341,46 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-len", type=int, help="default 280 (--tiny: 64)")
     ap.add_argument("--new-tokens", type=int, help="default 128 (--tiny: 16)")
     ap.add_argument("--encode-iters", type=int, help="default 5 (--tiny: 1)")
+    ap.add_argument("--timeline-rows", help="step timelines (forward, host, detokenisation) at these rows "
+                    "(default 128; --tiny: 4; empty: none)")
+    ap.add_argument("--timeline-steps", type=int, help="timed steps of a timeline, twice (default 64; --tiny: 24)")
     ap.add_argument("--budget-s", type=float, default=270.0, help="skip what would start after this many seconds")
     ap.add_argument("--threads", type=int, help="torch CPU threads")
     ap.add_argument("--no-healthy", action="store_true", help="skip the time-to-healthy section (it writes the "
                     "whole model to a temporary directory: 6.7 GB for DeepSeek-OCR)")
+    ap.add_argument("--write-checkpoint", type=Path, metavar="DIR", help="only write the random model to DIR as a "
+                    "checkpoint with a quantizer (what MODEL_DIR and QUANTIZER read), print its JSON and stop")
     ap.add_argument("--profile", type=Path, help="append torch.profiler tables of a few decode steps to this file")
     ap.add_argument("--out", type=Path, help="also write the JSON here, after every section")
     ap.add_argument("--deterministic", action="store_true", help="decoder.set_deterministic(True): every run must "
                     "give the same tokens, and the first sequence the same alone as among the others (same slots)")
     args = ap.parse_args(argv)
-    if args.deterministic:
-        set_deterministic(True)  # before the first GEMM: cuBLAS reads its workspace setting when its handle is made
     tiny = args.tiny
     pick = lambda value, full, small: value if value is not None else (small if tiny else full)
-    config = Path(pick(args.config, ROOT / "bench" / "deepseek-ocr-config.json", ROOT / "weights" / "nano" / "config.json"))
-    device = torch.device(pick(args.device, "cuda", "cpu"))
-    dtype = DTYPES[pick(args.dtype, "bf16", "float32")]
-    batches = [int(x) for x in pick(args.encode_batches, "1,8,32", "1,2").split(",")]
-    levels = [int(x) for x in pick(args.concurrency, "1,16,64,128", "1,4").split(",")]
-    default_compiled = "1,128" if device.type == "cuda" else ""
-    compiled_mode = "cuda_graph_compiled" if device.type == "cuda" else "compiled"  # a CPU has no graphs
-    compiled = {int(x) for x in (args.compile_levels if args.compile_levels is not None else default_compiled).split(",") if x}
-    prompt_len, new_tokens = pick(args.prompt_len, 280, 64), pick(args.new_tokens, 128, 16)
-    iters = pick(args.encode_iters, 5, 1)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        sys.exit(f"no CUDA device (torch {torch.__version__}); --tiny runs on the CPU")
-    start = time.perf_counter()
-    over = lambda: time.perf_counter() - start > args.budget_s
-    cfg = json.loads(config.read_text())
-    encoder, decoder = random_model(cfg, device, dtype)
+    args.config = Path(pick(args.config, ROOT / "bench" / "deepseek-ocr-config.json", ROOT / "weights" / "nano" / "config.json"))
+    args.device = torch.device(pick(args.device, "cuda", "cpu"))
+    args.dtype = DTYPES[pick(args.dtype, "bf16", "float32")]
+    ints = lambda text: [int(x) for x in text.split(",") if x]
+    args.batches = ints(pick(args.encode_batches, "1,8,32", "1,2"))
+    args.levels = ints(pick(args.concurrency, "1,16,64,128", "1,4"))
+    args.compiled = set(ints(args.compile_levels if args.compile_levels is not None else
+                             "1,128" if args.device.type == "cuda" else ""))
+    args.timeline = ints(pick(args.timeline_rows, "128", "4"))
+    args.timeline_steps = pick(args.timeline_steps, 64, 24)
+    args.prompt_len, args.new_tokens = pick(args.prompt_len, 280, 64), pick(args.new_tokens, 128, 16)
+    args.encode_iters = pick(args.encode_iters, 5, 1)
+    return args
+
+
+def decode_levels(decoder, args, result: dict, over, save) -> None:
+    """Each level's decode modes (eager twice, graphs, compiled variants) and how far their tokens agree."""
+    device, compiled_mode = args.device, result["compiled_mode"]
     in_place_rows = next(layer.mlp for layer in decoder.layers if not layer.dense).in_place_rows
-    sync(device)
-    build_s = time.perf_counter() - start
-    params = sum(p.numel() for m in (encoder, decoder) for p in m.parameters())
-    log(f"{config}: {params / 1e9:.3f} B parameters at {dtype} on {device}, built in {build_s:.1f} s")
-    result = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."), "config": str(config.relative_to(ROOT) if config.is_relative_to(ROOT) else config),
-              "params": params, "build_s": build_s, "prompt_len": prompt_len, "new_tokens": new_tokens,
-              "moe_decode": "grouped_mm" if grouped_mm_works(device, dtype) else "gathered/dense",
-              "encode": {}, "decode": {"eager": {}, "eager_again": {}, "cuda_graph": {} if device.type == "cuda" else None,
-                                       compiled_mode: {} if compiled else None,
-                                       **{f"{compiled_mode}_{v}": {} if any(c <= in_place_rows for c in compiled) else None
-                                          for v in IN_PLACE}},
-              "tokens_vs_eager": {}, "skipped": []}
-    save = lambda: args.out.write_text(json.dumps(result) + "\n") if args.out else None
-    save()
-    reset_peak(device)
-    result["encode"] = bench_encode(encoder, batches, device, dtype, iters)
-    result["encode_peak_gb"] = peak_gb(device)
-    save()
-    for c in levels:
+    for c in args.levels:
         tokens = {}
         # eager twice: how far two runs of the same kernels agree (the baseline for the other modes)
-        modes = ["eager", "eager_again"] + (["cuda_graph"] if device.type == "cuda" else []) + ([compiled_mode] if c in compiled else [])
-        if c in compiled and c <= in_place_rows:
+        modes = ["eager", "eager_again"] + (["cuda_graph"] if device.type == "cuda" else []) + ([compiled_mode] if c in args.compiled else [])
+        if c in args.compiled and c <= in_place_rows:
             # few rows: compiled steps compute projections as fused reductions and read each row's experts in
             # place; the same with GEMM calls for the projections, and with those and the grouped GEMMs
             modes += [f"{compiled_mode}_{v}" for v in IN_PLACE]
@@ -308,12 +391,10 @@ def main(argv=None) -> None:
                 result["skipped"].append(f"decode {mode} {c}")
                 continue
             try:
-                result["decode"].setdefault(mode, {})[str(c)], tokens[mode] = bench_decode(decoder, c, prompt_len, new_tokens,
-                                                                             mode.startswith("cuda_graph"),
-                                                                             device, seed=0 if args.deterministic else c, profile=args.profile,
-                                                                             compile=mode.startswith(compiled_mode), label=mode,
-                                                                             alone=mode.endswith("_alone"),
-                                                                             in_place=IN_PLACE.get(mode.rsplit("_", 1)[-1], (True, True)))
+                result["decode"].setdefault(mode, {})[str(c)], tokens[mode] = bench_decode(
+                    decoder, c, args.prompt_len, args.new_tokens, mode.startswith("cuda_graph"), device,
+                    seed=0 if args.deterministic else c, profile=args.profile, compile=mode.startswith(compiled_mode),
+                    label=mode, alone=mode.endswith("_alone"), in_place=IN_PLACE.get(mode.rsplit("_", 1)[-1], (True, True)))
             except Exception as e:  # noqa: BLE001 - on a first GPU, one failing mode must not hide the others
                 log(f"decode {mode} concurrency {c} failed: {type(e).__name__}: {e}")
                 result["decode"].setdefault(mode, {})[str(c)] = {"error": f"{type(e).__name__}: {e}"}
@@ -328,6 +409,70 @@ def main(argv=None) -> None:
                 continue
             if "eager" in tokens:
                 result["tokens_vs_eager"][f"{mode} {c}"] = agreement(tokens["eager"], tokens[mode])
+
+
+# the step timeline's runs: Generator's options by name
+TIMELINE_MODES = {"generator": {}}
+
+
+def timelines(decoder, args, result: dict, over, save) -> None:
+    graphs = args.device.type == "cuda"
+    for rows in args.timeline:
+        for mode, options in TIMELINE_MODES.items():
+            if over():
+                result["skipped"].append(f"timeline {mode} {rows}")
+                continue
+            try:
+                result["timeline"].setdefault(mode, {})[str(rows)] = step_timeline(
+                    decoder, rows, args.prompt_len, args.timeline_steps, graphs, args.device, label=mode, **options)
+            except Exception as e:  # noqa: BLE001
+                log(f"timeline {mode} {rows} rows failed: {type(e).__name__}: {e}")
+                result["timeline"].setdefault(mode, {})[str(rows)] = {"error": f"{type(e).__name__}: {e}"}
+            save()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.deterministic:
+        set_deterministic(True)  # before the first GEMM: cuBLAS reads its workspace setting when its handle is made
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device, dtype, config = args.device, args.dtype, args.config
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"no CUDA device (torch {torch.__version__}); --tiny runs on the CPU")
+    start = time.perf_counter()
+    over = lambda: time.perf_counter() - start > args.budget_s
+    cfg = json.loads(config.read_text())
+    encoder, decoder = random_model(cfg, device, dtype)
+    sync(device)
+    build_s = time.perf_counter() - start
+    params = sum(p.numel() for m in (encoder, decoder) for p in m.parameters())
+    log(f"{config}: {params / 1e9:.3f} B parameters at {dtype} on {device}, built in {build_s:.1f} s")
+    if args.write_checkpoint:
+        args.write_checkpoint.mkdir(parents=True, exist_ok=True)
+        print(json.dumps({"params": params, "build_s": build_s, "dtype": str(dtype).removeprefix("torch."),
+                          "config": str(config), **write_checkpoint(encoder, decoder, cfg, dtype, args.write_checkpoint)}))
+        return
+    compiled_mode = "cuda_graph_compiled" if device.type == "cuda" else "compiled"  # a CPU has no graphs
+    in_place_rows = next(layer.mlp for layer in decoder.layers if not layer.dense).in_place_rows
+    result = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."), "config": str(config.relative_to(ROOT) if config.is_relative_to(ROOT) else config),
+              "params": params, "build_s": build_s, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+              "moe_decode": "grouped_mm" if grouped_mm_works(device, dtype) else "gathered/dense",
+              "compiled_mode": compiled_mode,
+              "encode": {}, "decode": {"eager": {}, "eager_again": {}, "cuda_graph": {} if device.type == "cuda" else None,
+                                       compiled_mode: {} if args.compiled else None,
+                                       **{f"{compiled_mode}_{v}": {} if any(c <= in_place_rows for c in args.compiled) else None
+                                          for v in IN_PLACE}},
+              "tokens_vs_eager": {}, "timeline": {}, "skipped": []}
+    save = lambda: args.out.write_text(json.dumps(result) + "\n") if args.out else None
+    save()
+    reset_peak(device)
+    result["encode"] = bench_encode(encoder, args.batches, device, dtype, args.encode_iters)
+    result["encode_peak_gb"] = peak_gb(device)
+    save()
+    decode_levels(decoder, args, result, over, save)
+    timelines(decoder, args, result, over, save)
     result["deterministic"] = args.deterministic
     if args.no_healthy or over():
         result["skipped"].append("healthy")

@@ -308,6 +308,10 @@ def test_gpu_bench_tiny_runs_and_prints_its_json():
         assert 0 < d["tpot_ms_p50"] <= d["tpot_ms_p99"] and d["prefill_s"] > 0 and d["kv_gb"] > 0
     for mode in ("compiled", "compiled_gemm", "compiled_grouped"):
         assert set(r["decode"][mode]) == {"1"} and r["decode"][mode]["1"]["tokens_per_s"] > 0, r["decode"][mode]
+    for mode, by_rows in r["timeline"].items():  # each part of a step at 4 rows, as a GPU run reports it at 128
+        t = by_rows["4"]
+        assert t["rows"] == 4 and 0 < t["rows_running_mean"] <= 4, (mode, t)
+        assert all(0 < t[part]["p50"] <= t[part]["p90"] for part in ("forward_ms", "host_ms", "detokenise_ms", "step_wall_ms"))
 
 
 def test_the_grouped_gemm_is_trusted_on_cuda_only_where_it_is_one_kernel(monkeypatch):
