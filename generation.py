@@ -4,9 +4,12 @@ Sequences are prefilled into free cache slots and dropped between steps; each st
 active sequence by one token. A step's shapes are fixed by (rows, attended length), so on CUDA each
 shape is captured once as a CUDA graph and replayed (docs/gpu.md); `COMPILE=1` runs steps through
 torch.compile. Stopping: EOS, `max_tokens`, or the `RepetitionRule` (windowed no-repeat-n-gram, as
-the official scripts, plus a loop detector). Per sequence, as vLLM's: `min_tokens` (EOS is masked on the
-device, and the loop detector does not stop it, until that many tokens are generated) and `ignore_eos`
-(neither ever: it runs to `max_tokens`, for benchmarks of fixed output lengths).
+the official scripts, plus a loop detector). On CUDA the n-gram ban runs on the device, over every row at
+once, inside the step, and the host reads back the chosen tokens and runs the loop detector while the
+device runs the next step (`overlap`): the host's per-row work is off the critical path. Per sequence,
+as vLLM's: `min_tokens` (EOS is masked on the device, and the loop detector does not stop it, until that
+many tokens are generated) and `ignore_eos` (neither ever: it runs to `max_tokens`, for benchmarks of
+fixed output lengths).
 """
 from __future__ import annotations
 
@@ -98,6 +101,12 @@ class Sequence:
     grams: Counter = field(default_factory=Counter)  # RepetitionRule.track's running count
     min_tokens: int = 0  # EOS and the loop detector cannot end it before it has this many tokens
     ignore_eos: bool = False  # nor ever: it ends at max_tokens
+    pending: int = 0  # 1 while a launched step's token for it is not read back yet (Generator's overlap)
+
+    def wants_step(self) -> bool:
+        """Whether a step must still give it a token: not finished, and below max_tokens counting the token of
+        a step in flight (`pending`, which the host has not read yet)."""
+        return self.finish_reason is None and len(self.tokens) + self.pending < self.max_tokens
 
     def holds_eos(self) -> bool:
         """Whether EOS is masked for its next token (it has fewer than min_tokens, or ignores EOS)."""
@@ -123,11 +132,24 @@ class Generator:
     longest sequence, so few shapes occur, and with `cuda_graphs` (default on CUDA) each is captured
     once and replayed. Without (the CPU's default) B and L are exact: a CPU gains nothing from fixed
     shapes and would pay for the padding. In deterministic mode (`set_deterministic`) every step is
-    (all slots, slot_tokens). `compile`: decode steps through torch.compile (each new shape compiles first)."""
+    (all slots, slot_tokens). `compile`: decode steps through torch.compile (each new shape compiles first).
+
+    The repetition rule's n-gram ban: with `device_rule` (default on CUDA) it runs inside the step, as
+    tensor ops over all rows (`_ban`), on each slot's last `window` generated tokens kept on the device
+    (`recent`). The step's next input then never waits for the host, and with `overlap` (default with
+    `device_rule` on CUDA) `step` launches a step before it reads back the previous one's tokens: the
+    host's work on them (the loop detector, the bookkeeping, and whatever the caller does with the text
+    before the next `step`) runs while the device computes. A sequence that finished in the step read back
+    gets one more token computed, which is ignored (as for finished rows not dropped yet). Without
+    `device_rule` the host checks each row's token against its banned set and reads a row's logits only
+    when its best is banned: on a CPU a few us a row, where the tensor ops cost tens of us a step at few
+    rows; on a GPU ~1 ms a step of 128 rows that the device waits for (bench/gpu.py's step timeline).
+    Both choose the same tokens (tests/test_decoder.py)."""
 
     def __init__(self, decoder: Decoder, slots: int, eos_id: int, rule: RepetitionRule | None,
                  prefill: Decoder | None = None, kv_tokens: int | None = None, buckets: bool | None = None,
-                 cuda_graphs: bool | None = None, compile: bool = False):
+                 cuda_graphs: bool | None = None, compile: bool = False, device_rule: bool | None = None,
+                 overlap: bool | None = None):
         self.decoder, self.eos_id, self.rule = decoder, eos_id, rule
         self.prefill_decoder = prefill or decoder
         self.slots, self.max_positions = slots, decoder.cfg.max_position_embeddings
@@ -144,12 +166,20 @@ class Generator:
         # that a step masks EOS per row without the host (pos never exceeds slot_tokens - 1)
         self.eos_from = torch.zeros(slots, dtype=torch.long, device=dev)
         self.masks_eos = 0 <= eos_id < decoder.cfg.vocab_size  # tests run without an EOS (-1)
+        cuda = dev.type == "cuda"
+        self.device_rule = cuda if device_rule is None else device_rule
+        # the n-gram ban on the device: each slot's last `window` generated tokens, -1 before the first
+        bans = rule is not None and self.device_rule and 0 < rule.ngram <= rule.window
+        self.recent = torch.full((slots, rule.window), -1, dtype=torch.long, device=dev) if bans else None
+        self.exempt = None
+        if bans and rule.exempt:
+            self.exempt = torch.zeros(decoder.cfg.vocab_size, dtype=torch.bool, device=dev)
+            self.exempt[[t for t in rule.exempt if 0 <= t < decoder.cfg.vocab_size]] = True
         # probed and built now, not inside a capture or a compiled trace: a RoPE table built by a compiled
         # step's first call fails the guards of its second, which then recompiles, inside the graph capture
         for d in {decoder, self.prefill_decoder}:
             grouped_mm_works(dev, d.embed_tokens.weight.dtype)
             d.rope_tables(dev)
-        cuda = dev.type == "cuda"
         self.buckets = cuda if buckets is None else buckets
         self.cuda_graphs = cuda if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and not cuda:
@@ -167,6 +197,13 @@ class Generator:
         traceable = grouped_mm_traceable(decoder.embed_tokens.weight.dtype)
         self.compiled_rows = self.slots if traceable or all(m.compiles_dense() for m in moe) else self.in_place_rows
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        self.overlap = (cuda if overlap is None else overlap) and self.device_rule
+        self._pending: tuple | None = None  # the step launched and not read back: (rows, tokens, event)
+        # on CUDA a launched step's tokens are copied into pinned host memory, two buffers in turn, each with
+        # an event, so that reading one back waits for that step alone, not for the one launched after it
+        self._host_tokens = torch.empty(2, slots, dtype=torch.long, pin_memory=True) if self.overlap and cuda else None
+        self._copied = [torch.cuda.Event(), torch.cuda.Event()] if self._host_tokens is not None else None
+        self._turn = 0
         self.free = list(range(slots))
         self.active: dict[int, Sequence] = {}  # slot -> sequence
         self.positions: dict[int, int] = {}  # slot -> position of its next token (the host's copy of self.pos)
@@ -216,10 +253,13 @@ class Generator:
                            min_tokens=least, ignore_eos=ignore)
             self._next_id += 1
             self.active[slot], self.positions[slot] = seq, x.shape[0]
-            self._choose(seq, row, token)
+            self._choose(seq, token, row)
             seqs.append(seq)
         index = torch.tensor(slots, device=self.tokens.device)
         self.tokens[index] = torch.tensor([s.tokens[-1] for s in seqs], device=self.tokens.device)
+        if self.recent is not None:
+            self.recent[index] = -1
+            self.recent[index, -1] = self.tokens[index]
         self.pos[index] = torch.tensor([x.shape[0] for x in inputs], device=self.pos.device)
         # a step fed the token at position p chooses token number p - prompt + 2: EOS waits for p >= prompt + min - 1
         self.eos_from[index] = torch.tensor([self.slot_tokens if s.ignore_eos else x.shape[0] + s.min_tokens - 1
@@ -242,6 +282,8 @@ class Generator:
             self.cache.move(last, hole, self.positions[hole])
             self.tokens[hole], self.pos[hole] = self.tokens[last], self.pos[last]  # device to device
             self.eos_from[hole] = self.eos_from[last]
+            if self.recent is not None:
+                self.recent[hole] = self.recent[last]
             moved.slot, self.active[hole], hole = hole, moved, last
         self.free.append(hole)
 
@@ -255,18 +297,50 @@ class Generator:
 
     @torch.inference_mode()
     def step(self) -> None:
-        running = [s for s in self.active.values() if s.finish_reason is None]
+        """One step for every running sequence. With `overlap`, the step is launched, then the previous
+        one's tokens are read back and chosen, so a sequence's tokens lag the device by one step."""
+        launched = self._launch()
+        if self.overlap:
+            launched, self._pending = self._pending, launched
+        if launched is not None:
+            self._collect(*launched)
+
+    def _launch(self) -> tuple | None:
+        """Run (or, on CUDA, enqueue) a step of every running sequence: the sequences it gives a token, with
+        their rows, that token's tensor, and on CUDA with overlap the event of its copy to the host."""
+        running = [s for s in self.active.values() if s.wants_step()]
         if not running:
-            return
+            return None
         # rows 0..max slot: finished sequences not dropped yet run along (their tokens are ignored)
         B, L = self.shape(max(self.active) + 1, max(self.positions[s.slot] for s in running) + 1)
         self.cache.ensure(L)
         # the host knows whether any row holds EOS back; only then does the step mask it (row by row, on the device)
         logits, best = self._run(B, L, self.masks_eos and any(s.holds_eos() for s in running))
-        best = best.tolist()  # the step's one copy to the host
+        rows = [(s, s.slot) for s in running]
         for seq in running:
-            self.positions[seq.slot] += 1
-            self._choose(seq, logits[seq.slot], best[seq.slot])
+            self.positions[seq.slot] += 1  # the position its next step feeds: the device's pos, mirrored
+            seq.pending = 1
+        if not self.overlap:
+            return rows, best, None if self.device_rule else logits, None
+        if self._host_tokens is None:  # a CPU runs the step at once: its tokens only need to outlive the next one
+            return rows, best.clone(), None, None
+        # the graph's output is overwritten by the next replay: copy it out first, in stream order
+        self._turn ^= 1
+        tokens, copied = self._host_tokens[self._turn, :B], self._copied[self._turn]
+        tokens.copy_(best, non_blocking=True)
+        copied.record()
+        return rows, tokens, None, copied
+
+    def _collect(self, rows: list, tokens: Tensor, logits: Tensor | None, copied) -> None:
+        """A launched step's tokens, read back (the step's one copy to the host) and chosen for each sequence
+        still running in the generator (one dropped since, or finished by its previous token, is skipped)."""
+        if copied is not None:
+            copied.synchronize()
+        best = tokens.tolist()
+        for seq, row in rows:
+            seq.pending = 0
+            if seq.finish_reason is None and self.active.get(seq.slot) is seq:
+                self._choose(seq, best[row], logits[row] if logits is not None else None)
 
     def _run(self, B: int, L: int, hold_eos: bool = False) -> tuple[Tensor, Tensor]:
         if not self.cuda_graphs:
@@ -297,7 +371,24 @@ class Generator:
             logits = self._decode_step(self.cache, self.tokens[:B], self.pos[:B], L)
         if hold_eos:  # outside the compiled step: its graphs stay as they are
             logits[:, self.eos_id].masked_fill_(self.pos[:B] < self.eos_from[:B], float("-inf"))
+        if self.recent is not None and self.rule is not None:
+            self._ban(logits, self.recent[:B])
         return logits, logits.argmax(-1)
+
+    def _ban(self, logits: Tensor, recent: Tensor) -> None:
+        """RepetitionRule.banned for every row at once, as tensor ops (no host read): where the last n-1
+        generated tokens occurred earlier in the window, the token that followed that copy gets -inf.
+        `recent`: each row's last `window` generated tokens, right-aligned, -1 before its first."""
+        n = self.rule.ngram
+        grams = recent.unfold(1, n - 1, 1)  # [B, window - n + 2, n - 1]: each run of n - 1 tokens
+        # an earlier copy of the last n - 1 tokens (a copy holding a -1 never equals them once n are
+        # generated); a sum, not all(), whose reduction over bools is 8x slower on a CPU
+        copies = ((grams[:, :-1] == grams[:, -1:]).sum(-1) == n - 1) & (recent[:, -n] >= 0)[:, None]
+        follow = recent[:, n - 1:].clamp(min=0)  # the token after each copy
+        if self.exempt is not None:
+            copies &= ~self.exempt[follow]
+        # adding 0 or -inf: the same sum in any order, so a token banned by several copies needs no care
+        logits.scatter_add_(1, follow, torch.zeros_like(follow, dtype=logits.dtype).masked_fill_(copies, float("-inf")))
 
     def warmup_shapes(self) -> list[tuple[int, int]]:
         """The (rows, length) shapes whose compiling covers every step a compiled generator will run: a static
@@ -323,12 +414,16 @@ class Generator:
         self.tokens.zero_()
         self.pos.zero_()
         self.eos_from.zero_()
+        if self.recent is not None:
+            self.recent.fill_(-1)
 
     def _advance(self, B: int, L: int, hold_eos: bool = False) -> tuple[Tensor, Tensor]:
-        """A step of rows 0..B-1, and their next inputs set on the device: the best tokens (the host
-        overrides a row whose best is banned) at the next positions."""
+        """A step of rows 0..B-1, and their next inputs set on the device: the best allowed tokens (without
+        `device_rule` the host overrides a row whose best is banned) at the next positions."""
         logits, best = self._compute(B, L, hold_eos)
         self.tokens[:B] = best
+        if self.recent is not None:
+            self.recent[:B] = torch.cat([self.recent[:B, 1:], best[:, None]], 1)
         # rows that run past their end (finished, padding) keep writing inside their own slot
         self.pos[:B] = (self.pos[:B] + 1).clamp_(max=self.slot_tokens - 1)
         return logits, best
@@ -349,9 +444,10 @@ class Generator:
             logits, best = self._advance(B, L, hold_eos)
         (self._graphs_holding_eos if hold_eos else self._graphs)[B, L] = (graph, logits, best)
 
-    def _choose(self, seq: Sequence, logits: Tensor, token: int) -> None:
-        """Append `token` (the row's argmax) unless the repetition rule bans it: then the best allowed one."""
-        banned = self.rule.banned(seq.tokens) if self.rule is not None else None
+    def _choose(self, seq: Sequence, token: int, logits: Tensor | None = None) -> None:
+        """Append `token` (the row's best allowed token: the device applied the ban) and decide whether the
+        sequence stops. Without `device_rule` the token is the row's argmax, and the ban is checked here."""
+        banned = self.rule.banned(seq.tokens) if not self.device_rule and self.rule is not None else None
         if banned and token in banned:
             # only a banned argmax changes the choice; this row's logits come to the host for it (the
             # few steps that need it), and the device's next input follows

@@ -17,7 +17,8 @@ parameters) with random weights made on the device (nothing is downloaded), then
     ("_grouped", the code before the in-place paths);
   * time to healthy: the random model written as an original-layout checkpoint (safetensors, config.json,
     nano's special tokens and a tokenizer of the whole vocabulary) with a quantizer made for it, then a
-    fresh process timed from its start until its engine is ready (weights read and moved to the device, one warm-up encode and decode);
+    fresh process timed from its start until its engine is ready (weights read and moved to the device,
+    one warm-up encode and decode);
   * the step timeline: at --timeline-rows (128) sequences with the service's repetition rule, what a step
     spends in the model's forward, in the host's work on its tokens (the rule, each row's choice, the
     bookkeeping) and in detokenising each row's streamed text, separately (synchronised), then the
@@ -161,7 +162,7 @@ def _bench_decode(decoder, c, prompt_len, new_tokens, graphs, device, seed, prof
     first_s = time.perf_counter() - t0
     while len(seqs[0].tokens) < new_tokens - profiled:
         t = time.perf_counter()
-        gen.step()  # ends with the step's copy of the new tokens to the host: a synchronisation
+        gen.step()  # ends with a copy of new tokens to the host (on CUDA the previous step's, while this one runs)
         times.append(time.perf_counter() - t)
     if profiled:
         activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -194,30 +195,20 @@ def step_timeline(decoder, rows: int, prompt_len: int, steps: int, graphs: bool,
     the model's forward (Generator._run, synchronised before and after), the host's work on the new tokens
     (the rest of Generator.step: the copy back, the rule, each row's choice, the bookkeeping) and the
     detokenisation a streamed request adds (engine.TextStream.feed for each row); each ms a step (p50, p90),
-    over `steps` steps. Then `steps` more as the engine's loop meets them, unsynchronised: step and
-    detokenisation, ms a step. `generator`: Generator's options for this run."""
+    over `steps` steps. Then the same sequences again, as the engine's loop meets their steps:
+    unsynchronised, step and detokenisation, ms a step: with `overlap` the host's part runs while the
+    device computes the next step. `generator`: Generator's options for this run (TIMELINE_MODES)."""
     from ocr_latent.architecture import GENERATION
     from ocr_latent.generation import RepetitionRule
     from ocr_latent.serving.engine import TextStream
     tokenizer = full_vocab_tokenizer(decoder.cfg.vocab_size)
-    rule = RepetitionRule(**GENERATION["repetition"])
-    slot = 1 << (prompt_len + 2 * steps + 4).bit_length()
-    gen = Generator(decoder, rows, eos_id=-1, rule=rule, kv_tokens=rows * slot, buckets=graphs, cuda_graphs=graphs,
-                    **generator)
+    slot = 1 << (prompt_len + steps + 4).bit_length()
+    gen = Generator(decoder, rows, eos_id=-1, rule=RepetitionRule(**GENERATION["repetition"]), kv_tokens=rows * slot,
+                    buckets=graphs, cuda_graphs=graphs, **generator)
     g = torch.Generator(device).manual_seed(seed)
     prompts = [torch.randn(prompt_len, decoder.cfg.hidden_size, generator=g, device=device,
                            dtype=decoder.embed_tokens.weight.dtype) for _ in range(rows)]
-    seqs = gen.add(prompts, [2 * steps + 3] * rows)
-    streams = [TextStream(lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) for _ in seqs]
-
-    def detokenise() -> None:
-        for seq, stream in zip(seqs, streams):
-            if seq.finish_reason is None:
-                stream.feed(seq.tokens)
-
-    for _ in range(2):  # the first steps capture this shape's graph (or warm the kernels)
-        gen.step()
-    run, forward, host, detok, running = gen._run, [], [], [], []
+    run, forward, host, detok, wall, running = gen._run, [], [], [], [], []
 
     def timed_run(*a, **k):
         sync(device)
@@ -227,23 +218,31 @@ def step_timeline(decoder, rows: int, prompt_len: int, steps: int, graphs: bool,
         forward.append(time.perf_counter() - t)
         return out
 
-    gen._run = timed_run
-    for _ in range(steps):
-        running.append(sum(s.finish_reason is None for s in seqs))
-        sync(device)
-        t = time.perf_counter()
-        gen.step()
-        t1 = time.perf_counter()
-        detokenise()
-        detok.append(time.perf_counter() - t1)
-        host.append(t1 - t - forward[-1])
-    gen._run = run
-    wall = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        gen.step()
-        detokenise()
-        wall.append(time.perf_counter() - t)
+    for split in (True, False):  # both passes read the same sequences over the same positions
+        seqs = gen.add(prompts, [steps + 3] * rows)
+        streams = [TextStream(lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) for _ in seqs]
+        for i in range(steps + 2):  # the first two steps capture this shape's graph (or warm the kernels): untimed
+            gen._run = timed_run if split and i >= 2 else run
+            rows_now = sum(s.finish_reason is None for s in seqs)
+            sync(device)
+            t = time.perf_counter()
+            gen.step()
+            t1 = time.perf_counter()
+            for seq, stream in zip(seqs, streams):
+                if seq.finish_reason is None:
+                    stream.feed(seq.tokens)
+            t2 = time.perf_counter()
+            if i < 2:
+                continue
+            if split:
+                running.append(rows_now)
+                host.append(t1 - t - forward[-1])
+                detok.append(t2 - t1)
+            else:
+                wall.append(t2 - t)
+        gen._run = run
+        for seq in reversed(seqs):  # the highest slot first: nothing moves
+            gen.drop(seq)
     sync(device)
     rows_running = statistics.mean(running)
     out = {"rows": rows, "rows_running_mean": rows_running, "steps": steps, "forward_ms": median_p90(forward),
@@ -411,8 +410,10 @@ def decode_levels(decoder, args, result: dict, over, save) -> None:
                 result["tokens_vs_eager"][f"{mode} {c}"] = agreement(tokens["eager"], tokens[mode])
 
 
-# the step timeline's runs: Generator's options by name
-TIMELINE_MODES = {"generator": {}}
+# the step timeline's runs, Generator's options by name: the n-gram ban checked by the host row by row (a
+# CPU's default, and the GPU's before), as tensor ops in the step, and those with the host's work overlapped
+TIMELINE_MODES = {"host_rule": {"device_rule": False}, "device_rule": {"device_rule": True, "overlap": False},
+                  "device_rule_overlap": {"device_rule": True, "overlap": True}}
 
 
 def timelines(decoder, args, result: dict, over, save) -> None:

@@ -80,9 +80,10 @@ class Pipeline:
         feats = self.quantizer.decode(torch.as_tensor(codes, dtype=torch.uint8, device=d.lm_head.weight.device)[None])[0]
         return d.build_inputs(d.layout_image(feats.to(d.lm_head.weight.dtype)), self.prompts[prompt], self.model.tokens.bos)
 
-    def new_generator(self, slots: int, kv_tokens: int | None = None, compile: bool = False) -> Generator:
+    def new_generator(self, slots: int, kv_tokens: int | None = None, compile: bool = False, **options) -> Generator:
+        """`options`: Generator's others (device_rule, overlap, cuda_graphs...), for tests and benchmarks."""
         return Generator(self.model.decoder, slots, self.model.tokens.eos, self.rule, self.prefill_decoder,
-                         kv_tokens=kv_tokens, compile=compile)
+                         kv_tokens=kv_tokens, compile=compile, **options)
 
     def prompt_length(self, prompt: str) -> int:
         """Decoder input positions of a page with `prompt` (image tokens, separators, BOS, prompt): the

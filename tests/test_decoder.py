@@ -72,9 +72,9 @@ def test_a_sequence_gets_the_same_logits_whatever_else_is_in_the_batch(small_mod
     _, decoder = small_modules
     seen, choose = {}, Generator._choose
 
-    def recording(self, seq, logits, token):
+    def recording(self, seq, token, logits):  # the host's rule (a CPU's default) hands it each row's logits
         seen.setdefault(id(seq), []).append(logits.clone())
-        choose(self, seq, logits, token)
+        choose(self, seq, token, logits)
 
     monkeypatch.setattr(Generator, "_choose", recording)
     prompts = _prompts(decoder, [9, 23, 14, 5, 30], seed=7)
@@ -234,14 +234,22 @@ def test_rope_rows_equal_the_formula_per_position():
     assert torch.equal(sin[positions], torch.cat([freqs, freqs], -1).sin())
 
 
+# the n-gram ban checked by the host row by row (a CPU's default), as tensor ops inside the step (CUDA's), and
+# those with the host's reading of each step overlapped with the next (CUDA's default), all run here on the CPU
+RULE_PLACES = {"host": {}, "device": {"device_rule": True, "overlap": False},
+               "device, overlapped": {"device_rule": True, "overlap": True}}
+
+
+@pytest.mark.parametrize("place", RULE_PLACES)
+@pytest.mark.parametrize("exempt", [frozenset(), frozenset(range(0, 300, 2))])
 @torch.inference_mode()
-def test_a_banned_best_token_is_replaced_and_the_next_step_reads_the_replacement(small_modules):
-    """Against a full recompute of every prefix with the same rule: the host's choice for a row whose
+def test_a_banned_best_token_is_replaced_and_the_next_step_reads_the_replacement(small_modules, place, exempt):
+    """Against a full recompute of every prefix with the same rule: the token chosen for a row whose
     argmax is banned must be the token the device feeds to the next step."""
     _, decoder = small_modules
-    rule = RepetitionRule(ngram=3, window=40, max_period=0, fuzzy_window=10**6)
+    rule = RepetitionRule(ngram=3, window=40, max_period=0, fuzzy_window=10**6, exempt=exempt)
     (x,) = _prompts(decoder, [12], seed=11)
-    (seq,) = Generator(decoder, 2, eos_id=-1, rule=rule, kv_tokens=256).generate([x], [60])
+    (seq,) = Generator(decoder, 2, eos_id=-1, rule=rule, kv_tokens=256, **RULE_PLACES[place]).generate([x], [60])
     tokens, overridden = [], 0
     for _ in range(60):
         logits = decoder(torch.cat([x, decoder.embed_tokens(torch.tensor(tokens, dtype=torch.long))])[None])[0, -1]
@@ -251,6 +259,49 @@ def test_a_banned_best_token_is_replaced_and_the_next_step_reads_the_replacement
             logits[list(banned)] = float("-inf")
         tokens.append(int(logits.argmax()))
     assert overridden >= 3 and seq.tokens == tokens
+
+
+def drive(decoder, prompts, limits, least, ignore, cancel: tuple[int, int], **options) -> list:
+    """An engine's pattern on a generator of 4 slots: up to two sequences join a turn, finished ones leave
+    (the highest slot moves into the hole, while a step may be in flight), one is cancelled at a turn;
+    every sequence's (tokens, finish_reason)."""
+    rule = RepetitionRule(ngram=3, window=40, max_period=8, min_cycle_span=12, fuzzy_window=30, fuzzy_gram=3,
+                          fuzzy_min_distinct=0.97, exempt=frozenset(range(0, 300, 7)))
+    gen = Generator(decoder, 4, eos_id=231, rule=rule, kv_tokens=4 * 128, **options)
+    queue, running, out, turn = list(range(len(prompts))), [], {}, 0
+    while queue or running:
+        turn += 1
+        for i, seq in list(running):
+            if seq.finish_reason is not None or (i, turn) == cancel:
+                gen.drop(seq)
+                running.remove((i, seq))
+                out[i] = (seq.tokens, seq.finish_reason)
+        if k := min(gen.capacity, len(queue), 2):
+            ids, queue = queue[:k], queue[k:]
+            seqs = gen.add([prompts[i] for i in ids], [limits[i] for i in ids], [least[i] for i in ids],
+                           [ignore[i] for i in ids])
+            running += list(zip(ids, seqs))
+        if any(seq.finish_reason is None for _, seq in running):
+            gen.step()
+    return [out[i] for i in range(len(prompts))]
+
+
+def test_the_rule_on_the_device_and_overlapped_steps_choose_the_host_rules_tokens_and_stops(small_modules):
+    """Ten sequences through four slots, with a strict rule (bans, loops), an EOS, min_tokens and ignore_eos:
+    the same tokens and finish reasons wherever the ban runs and whether or not the host reads each step
+    while the next one runs. A sequence cancelled mid-way has read one token fewer when overlapped."""
+    _, decoder = small_modules
+    prompts = _prompts(decoder, [9, 23, 14, 5, 30, 12, 17, 8, 21, 11], seed=5)
+    case = dict(limits=[40, 25, 60, 33, 12, 50, 45, 28, 60, 19], least=[0, 0, 10, 0, 0, 0, 5, 0, 0, 0],
+                ignore=[False, False, False, True, False, False, False, False, True, False], cancel=(2, 15))
+    host = drive(decoder, prompts, **case, **RULE_PLACES["host"])
+    assert {"stop", "length", "repetition", None} <= {reason for _, reason in host}  # every way of ending was met
+    for place in ("device", "device, overlapped"):
+        got = drive(decoder, prompts, **case, **RULE_PLACES[place])
+        assert [r for _, r in got] == [r for _, r in host], place
+        assert [t for i, (t, _) in enumerate(got) if i != 2] == [t for i, (t, _) in enumerate(host) if i != 2], place
+        cancelled, reference = got[2][0], host[2][0]
+        assert cancelled == reference[:len(cancelled)] and len(reference) - len(cancelled) <= (place != "device")
 
 
 def test_min_tokens_and_ignore_eos_hold_eos_back_per_row(small_modules):
@@ -370,6 +421,23 @@ def test_pages_read_token_for_token_as_the_reference():
     got = read_reference_pages(len(expected))
     differ = [i for i, (a, b) in enumerate(zip(got, expected)) if a != b]
     assert len(differ) <= 2, f"pages {differ} read differently from tests/data/reading-reference.json"
+
+
+@pytest.mark.slow  # reads 16 pages twice (~70 s here, on a loaded box)
+def test_pages_read_the_same_with_the_rule_on_the_device_and_steps_overlapped():
+    """The embedded model reading 16 held-out pages through their codes, as CUDA decodes (the ban inside the
+    step, each step read back while the next runs) and as a CPU does (the host's rule, the implementation
+    before): the same tokens and finish reasons. `python bench/token_agreement.py --variant device_rule
+    --pages 256` runs this on 256 pages (docs/performance.md)."""
+    from ocr_latent.training.pages import test_pages
+    from ocr_latent.serving.pipeline import load_pipeline
+    pipe = load_pipeline(prefill_dtype="float32")
+    stream = test_pages(seed=2)
+    inputs = [pipe.decode_inputs(c, "free") for c in pipe.encode([stream[i].image for i in range(16)])]
+    read = lambda **options: [(s.tokens, s.finish_reason) for s in pipe.new_generator(16, **options).generate(inputs, [512] * 16)]
+    host = read()
+    assert read(**RULE_PLACES["device, overlapped"]) == host
+    assert {"stop"} <= {reason for _, reason in host}
 
 
 def test_prepare_runs_step_shapes_before_any_sequence_and_changes_no_tokens(small_modules):
