@@ -157,3 +157,28 @@ def test_compiled_decode_steps_read_what_eager_ones_read(pages):
         finally:
             engine.stop()
     assert texts[True] == texts[False]
+
+
+def test_overlapped_steps_with_the_rule_on_the_device_serve_what_the_cpus_steps_serve(pages, monkeypatch):
+    """As the engine decodes on CUDA (the n-gram ban inside the step, each step's tokens read back while the
+    next runs), here on the CPU: the same texts, token counts, finish reasons and streamed text for pages
+    decoded together in 2 slots (others wait, join and leave), one cut short by max_tokens."""
+    from ocr_latent.serving.pipeline import Pipeline
+    new_generator = Pipeline.new_generator
+    served = {}
+    for overlap in (False, True):
+        options = {"device_rule": True, "overlap": True} if overlap else {}
+        monkeypatch.setattr(Pipeline, "new_generator", lambda self, *a, **k: new_generator(self, *a, **k, **options))
+        engine = Engine(EngineConfig(torch_threads=1, decode_slots=2)).start()
+        try:
+            engine.wait_ready(60)
+            assert engine.gen.overlap == overlap
+            codes = [engine.encode(p.image).future.result(60) for p in pages]
+            pieces = [[] for _ in codes]
+            jobs = [engine.decode(c, "free", 40 if i == 1 else 256, on_text=pieces[i].append) for i, c in enumerate(codes)]
+            served[overlap] = [(j.future.result(120), "".join(p)) for j, p in zip(jobs, pieces)]
+        finally:
+            engine.stop()
+    assert served[True] == served[False]
+    assert [r.finish_reason for r, _ in served[False]] == ["stop", "length", "stop"]
+    assert all(text == r.text for r, text in served[False])
