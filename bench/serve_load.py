@@ -5,6 +5,7 @@ measure it, against any running server.
     python bench/serve_load.py --url URL --rate 4 --requests 200     # open loop: Poisson arrivals, 4 a second
     python bench/serve_load.py --url URL --pages scans/ --api-key K  # the codes of your own pages
     python bench/serve_load.py --url URL --random-codes              # no /encode: random (valid) codes
+    python bench/serve_load.py --url URL --encode-only --clients 16 --requests 256   # /encode alone: pages/s
 
 Each level sends --requests streamed decodes (`stream: true`, server-sent events): closed loop, each of the
 --clients concurrencies in turn (that many clients, each sending its next request when its last is done),
@@ -21,6 +22,10 @@ streamed pieces: a piece is a token, or the few that complete a character or fol
 latency, each as mean, p50, p90 and p99 in ms; errors counted by HTTP status (or the stream's error type,
 or the transport error). A table, then as the last line of stdout one JSON object: every figure, the
 git commit (`-dirty` when tracked files differ from it), the server's /health and the settings.
+
+--encode-only measures POST /encode instead: each level sends --requests pages (the --page-count pages in
+turn, as image files) from --clients clients; pages/s and requests/s over the level's wall time, latency
+(mean, p50, p90, p99 in ms) and errors, in the same table and JSON (no TTFT, TPOT or ITL).
 """
 from __future__ import annotations
 
@@ -58,6 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "(max_tokens only)")
     ap.add_argument("--pages", type=Path, help="a folder of page images or PDFs to encode (default: rendered held-out pages)")
     ap.add_argument("--random-codes", action="store_true", help="random codes instead of encoded pages (no /encode)")
+    ap.add_argument("--encode-only", action="store_true", help="measure POST /encode of the pages instead of decodes")
     ap.add_argument("--page-count", type=int, default=16, help="distinct pages (codes) the requests cycle through")
     ap.add_argument("--prompt", default="free")
     ap.add_argument("--warmup", type=int, default=1, help="untimed requests before the first level (default 1)")
@@ -68,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.requests < 1 or args.output_tokens < 1 or args.page_count < 1 or any(c < 1 for c in args.levels) \
             or args.rate is not None and args.rate <= 0:
         ap.error("--requests, --output-tokens, --page-count, --clients and --rate must be positive")
+    if args.encode_only and (args.random_codes or args.rate):
+        ap.error("--encode-only sends pages (not --random-codes) in a closed loop (not --rate)")
     return args
 
 
@@ -144,6 +152,21 @@ class Outcome:
         return (self.latency - self.ttft) / (self.tokens - 1) if self.tokens > 1 else None
 
 
+async def send_encode(client: httpx.AsyncClient, page: tuple[bytes, str]) -> Outcome:
+    """One POST /encode of a page file; `tokens` counts the pages it encoded (a PDF's may be several)."""
+    out = Outcome(time.perf_counter())
+    try:
+        r = await client.post("/encode", content=page[0], headers={"Content-Type": page[1]})
+        out.done = time.perf_counter()
+        if r.status_code != 200:
+            out.error, out.detail = str(r.status_code), r.text[:500]
+        else:
+            out.tokens = len(r.json().get("pages", [None]))
+    except httpx.HTTPError as e:
+        out.error, out.detail = type(e).__name__, str(e)
+    return out
+
+
 async def send(client: httpx.AsyncClient, body: dict) -> Outcome:
     out = Outcome(time.perf_counter())
     try:
@@ -172,13 +195,13 @@ async def send(client: httpx.AsyncClient, body: dict) -> Outcome:
 
 
 # ----------------------------------------------------------------------------- a level
-async def closed_loop(client: httpx.AsyncClient, bodies: list[dict], clients: int) -> list[Outcome]:
+async def closed_loop(client: httpx.AsyncClient, bodies: list, clients: int, sender=send) -> list[Outcome]:
     """`clients` clients, each sending its next request when its last one is answered."""
     queue, outcomes = list(reversed(bodies)), []
 
     async def one_client():
         while queue:
-            outcomes.append(await send(client, queue.pop()))
+            outcomes.append(await sender(client, queue.pop()))
 
     await asyncio.gather(*(one_client() for _ in range(clients)))
     return outcomes
@@ -230,6 +253,15 @@ def git_commit() -> str | None:
     return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
+def encode_summary(outcomes: list[Outcome], wall: float) -> dict:
+    ok, failed = [o for o in outcomes if o.error is None], [o for o in outcomes if o.error is not None]
+    pages = sum(o.tokens for o in ok)
+    return {"requests": len(outcomes), "succeeded": len(ok), "errors": dict(Counter(o.error for o in failed)),
+            "first_error": f"{failed[0].error}: {failed[0].detail}" if failed else None, "wall_s": wall,
+            "pages": pages, "pages_per_s": pages / wall, "requests_per_s": len(ok) / wall,
+            "latency_ms": percentiles([o.latency for o in ok])}
+
+
 def row(name: str, s: dict) -> str:
     cell = lambda p: "-" if p is None else f"{p['p50']:7.1f} {p['p90']:7.1f} {p['p99']:7.1f}"
     errors = ",".join(f"{k}:{v}" for k, v in s["errors"].items()) or "0"
@@ -238,6 +270,14 @@ def row(name: str, s: dict) -> str:
 
 
 def print_table(result: dict) -> None:
+    if result["encode_only"]:
+        cell = lambda p: "-" if p is None else f"{p['mean']:7.1f} {p['p50']:7.1f} {p['p90']:7.1f} {p['p99']:7.1f}"
+        print(f"{'level':>10} {'ok':>9} {'errors':>8} {'req/s':>8} {'pages/s':>9}  {'latency mean/p50/p90/p99 ms':>31}")
+        for s in result["levels"]:
+            errors = ",".join(f"{k}:{v}" for k, v in s["errors"].items()) or "0"
+            print(f"{s['clients']:>2} clients {s['succeeded']:>4}/{s['requests']:<4} {errors:>8} {s['requests_per_s']:8.2f} "
+                  f"{s['pages_per_s']:9.2f}  {cell(s['latency_ms'])}")
+        return
     print(f"{'level':>10} {'ok':>9} {'errors':>8} {'req/s':>8} {'out tok/s':>9}  {'TTFT p50/p90/p99 ms':>23}  "
           f"{'TPOT p50/p90/p99 ms':>23}  {'ITL p50/p90/p99 ms':>23}")
     for level in result["levels"]:
@@ -255,6 +295,9 @@ async def run(args) -> dict:
             raise SystemExit(f"serve_load: no server answers /health at {args.url}: {type(e).__name__}: {e}") from None
         if health.get("status") != "ok":
             raise SystemExit(f"serve_load: {args.url} is not ready: {health}")
+        if args.encode_only:
+            levels, pages = await encode_levels(client, args)
+            return report(args, health, levels, "pages", pages)
         codes, quantizer = await page_codes(client, args)
         bodies = [decode_body(codes[i % len(codes)], quantizer, args) for i in range(args.requests)]
         for body in bodies[:args.warmup]:
@@ -269,12 +312,30 @@ async def run(args) -> dict:
                 outcomes = await closed_loop(client, bodies, clients)
             levels.append({**({"rate": args.rate} if clients is None else {"clients": clients}),
                            **summary(outcomes, time.perf_counter() - t0, args)})
+    return report(args, health, levels, "random" if args.random_codes else str(args.pages or "held-out pages"), len(codes))
+
+
+async def encode_levels(client: httpx.AsyncClient, args) -> tuple[list[dict], int]:
+    """--encode-only: each --clients level sends --requests pages, the --page-count pages in turn."""
+    files = folder_pages(args.pages, args.page_count) if args.pages else rendered_pages(args.page_count)
+    bodies = [files[i % len(files)] for i in range(args.requests)]
+    for page in bodies[:args.warmup]:
+        if (out := await send_encode(client, page)).error:
+            raise SystemExit(f"serve_load: the warm-up encode failed: {out.error}: {out.detail}")
+    levels = []
+    for clients in args.levels:
+        t0 = time.perf_counter()
+        outcomes = await closed_loop(client, bodies, clients, send_encode)
+        levels.append({"clients": clients, **encode_summary(outcomes, time.perf_counter() - t0)})
+    return levels, len(files)
+
+
+def report(args, health: dict, levels: list[dict], codes: str, pages: int) -> dict:
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("api_key", "levels")}
     settings.update(clients=args.levels or None, api_key=bool(args.api_key))  # the levels run; never the key itself
-    return {"commit": git_commit(), "settings": settings,
+    return {"commit": git_commit(), "settings": settings, "encode_only": args.encode_only,
             "server": {k: health.get(k) for k in ("model", "revision", "device", "quantizer", "mode")},
-            "codes": "random" if args.random_codes else str(args.pages or "held-out pages"), "pages": len(codes),
-            "levels": levels}
+            "codes": codes, "pages": pages, "levels": levels}
 
 
 def main(argv=None) -> None:

@@ -237,7 +237,7 @@ def test_ignore_eos_and_min_tokens_read_on_past_the_end(client, held_out):
 
 def test_the_serve_load_bench_reports_sane_figures(server):
     """bench/serve_load.py at tiny sizes against this server: closed loop at 1 and 2 clients on encoded held-out
-    pages, then an open loop of random codes with min_tokens fixing the length."""
+    pages, then an open loop of random codes with min_tokens fixing the length, then /encode alone."""
     def bench(*args: str) -> dict:
         out = subprocess.run([sys.executable, "bench/serve_load.py", "--url", server.url, *args], cwd=ROOT,
                              capture_output=True, text=True, timeout=300)
@@ -256,6 +256,10 @@ def test_the_serve_load_bench_reports_sane_figures(server):
             p = level[name]
             assert 0 <= p["p50"] <= p["p90"] <= p["p99"] and p["mean"] >= 0, (name, p)
         assert level["ttft_ms"]["p50"] > 0 and level["latency_ms"]["p50"] >= level["ttft_ms"]["p50"]
+    encoded = bench("--encode-only", "--clients", "2", "--requests", "4", "--page-count", "2")
+    (level,) = encoded["levels"]
+    assert encoded["encode_only"] and level["clients"] == 2 and level["succeeded"] == level["pages"] == 4, level
+    assert level["pages_per_s"] > 0 and 0 < level["latency_ms"]["p50"] <= level["latency_ms"]["p99"]
 
 
 def test_16_concurrent_clients_get_their_own_results(client, held_out):
