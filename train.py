@@ -32,7 +32,7 @@ from ocr_latent.checkpoint import OCRModel, file_sha256, load_model
 from ocr_latent.training.evaluation import evaluate, pixels_of, slot_accuracy
 from ocr_latent.training.losses import order_targets, teacher_forced_loss
 from ocr_latent.training.manifest import ROOT, curve_file, data_record, update_manifest
-from ocr_latent.training.nano import model_charset, new_nano, save_run
+from ocr_latent.training.nano import grown_nano, model_charset, new_nano, save_run
 from ocr_latent.training.recipe import code_fsq, cosine_to_tenth
 from ocr_latent.training.pages import (ORDINARY, PAGE_KINDS, PageSpec, PageStream, char_targets, load_corpus,
                                       split_documents, test_pages)
@@ -179,6 +179,8 @@ class BaseTraining:
             return load_model(out), load_file(str(out / "train_state.safetensors")), meta
         if args.init:
             return load_model(args.init), {}, {"step": 0, "curve": [], "init": args.init}
+        if args.grow_from:
+            return grown_nano(load_model(args.grow_from), args.seed), {}, {"step": 0, "curve": [], "grown_from": args.grow_from}
         model, meta = new_nano(args.seed, args.nano_version), {"step": 0, "curve": []}
         calib = PageStream(self.docs["train"], self.kind, seed=args.seed + 1)
         scale = calibrate_projector(model, [calib[i] for i in range(32)], model.config["ocr_latent"]["mode"])
@@ -216,7 +218,8 @@ class BaseTraining:
 
     def page_batch(self, step: int):
         args = self.args
-        stream = PageStream(self.docs["train"], curriculum(step, args.curriculum) if self.stage == "joint" else self.kind,
+        v1_joint = self.stage == "joint" and args.pages == "small"  # v1's first runs: few lines first
+        stream = PageStream(self.docs["train"], curriculum(step, args.curriculum) if v1_joint else self.kind,
                             seed=args.seed)
         pages = [stream[step * args.batch + i] for i in range(args.batch)]
         return pages, pixels_of(pages, self.mode)
@@ -455,6 +458,7 @@ def main(argv=None, prog: str | None = None) -> None:
     b.add_argument("--pages", choices=sorted(PAGE_KINDS), default="small", help="page kind trained and validated on "
                    "(pages.py: small = nano v1's 512 px pages; nano2 = ordinary pages with some small ones)")
     b.add_argument("--nano-version", type=int, choices=[1, 2], default=1, help="sizes of a model started from scratch (nano.py)")
+    b.add_argument("--grow-from", help="start from nano v3 grown from this trained v1 model directory (nano.grown_nano)")
     b.add_argument("--max-tokens", type=int, default=256, help="longest validation reading")
     b.add_argument("--bf16", action="store_true", help="bf16 autocast (CPUs with avx512_bf16/AMX)")
     b.add_argument("--threads", type=int, default=1)

@@ -185,3 +185,25 @@ def test_length_grouped_batches_draw_every_page_once_an_epoch_with_little_paddin
     ungrouped = [train.length_grouped_batch(lengths, 8, step, 3, 1) for step in range(125)]
     assert padded(epoch) < 1.1 < 1.5 < padded(ungrouped)
     assert train.length_grouped_batch(lengths, 8, 125, 3, 16) != epoch[0]  # the next epoch, another order
+
+
+def test_a_grown_nano_reads_as_the_v1_it_grew_from_and_spells_latin1():
+    """nano v3 starts as v1 (new blocks are the identity, v1's tokens keep their ids), with more depth
+    to learn ordinary pages and a tokenizer that spells the Latin-1 letters."""
+    from ocr_latent.training.losses import teacher_forced_logits
+    from ocr_latent.training.nano import grown_nano
+    from ocr_latent.training.pages import test_pages
+    v1 = load_model(NANO)
+    grown = grown_nano(v1, seed=0)
+    assert len(grown.encoder.sam_model.blocks) == 2 * len(v1.encoder.sam_model.blocks)
+    assert len(grown.decoder.layers) == len(v1.decoder.layers) + 1
+    assert grown.tokenizer.encode("Müller é ß").ids[:1] == v1.tokenizer.encode("M").ids
+    assert len(grown.tokenizer.encode("éüß", add_special_tokens=False).ids) == 3
+    page = test_pages(1, seed=2)[0]
+    with torch.no_grad():
+        read = [teacher_forced_logits(m, [m.decoder.layout_image(f) for f in m.encoder.encode_images([page.image], "base")],
+                                      [page.text]) for m in (v1, grown)]
+    (old_logits, target), (new_logits, _) = read
+    scored = target != -100
+    assert torch.allclose(new_logits[..., :old_logits.shape[-1]], old_logits, atol=1e-5)
+    assert (old_logits.argmax(-1) == target)[scored].float().mean() > 0.8  # v1 reads the page: the test can fail

@@ -43,6 +43,9 @@ def nano_config(vocab_size: int, version: int = 1) -> dict:
         language.update(num_hidden_layers=4, intermediate_size=768, moe_intermediate_size=192)
         sam = {**sam, "downsample_channels": [256, 384], "heads": 4, "layers": 4, "width": 128, "neck_channels": 64}
         clip = {**clip, "heads": 6, "width": 384}
+    if version == 3:  # v1's widths, twice its SAM blocks and one more decoder layer: grown from a trained v1
+        language.update(num_hidden_layers=4)
+        sam = {**sam, "layers": 4}
     return {
         "_name_or_path": "ocr-latent/nano" if version == 1 else f"ocr-latent/nano-v{version}", "architectures": ["DeepseekOCRForCausalLM"],
         "candidate_resolutions": [[1024, 1024]], "global_view_pos": "head", "model_type": "deepseek_vl_v2",
@@ -88,6 +91,44 @@ def new_nano(seed: int, version: int = 1) -> OCRModel:
     ids = {s: tok.token_to_id(s) for s in SPECIALS}
     tokens = SpecialTokens(bos=ids[SPECIALS[0]], eos=ids[SPECIALS[1]], pad=ids[SPECIALS[2]], image=ids["<image>"])
     return OCRModel(cfg, encoder, decoder, tokens, tok)
+
+
+@torch.no_grad()
+def grown_nano(v1: OCRModel, seed: int) -> OCRModel:
+    """Nano v3, started from a trained v1 rather than from scratch (v2's towers, trained from scratch on
+    ordinary pages, had learned next to no glyphs after 950 steps): v1's weights, a new SAM block before
+    each of v1's and a fourth decoder layer, each new block's output projections zero so that it starts as
+    the identity (the grown model reads as v1 does), and the Latin-1 tokenizer, whose new rows start as
+    random rows of the old rows' scale. The new depth and rows learn on ordinary pages."""
+    grown = new_nano(seed, version=3)
+    old_blocks, new_blocks = v1.encoder.sam_model.blocks, grown.encoder.sam_model.blocks
+    for i, block in enumerate(new_blocks):
+        if i % 2:  # blocks 1, 3 are v1's 0, 1
+            block.load_state_dict(old_blocks[i // 2].state_dict())
+        else:
+            for linear in (block.attn.proj, block.mlp.lin2):
+                linear.weight.zero_(), linear.bias.zero_()
+    kept = {k: v for k, v in v1.encoder.state_dict().items() if not k.startswith("sam_model.blocks.")}
+    grown.encoder.load_state_dict(kept, strict=False)
+    old_layers = v1.decoder.layers
+    for i, layer in enumerate(grown.decoder.layers):
+        if i < len(old_layers):
+            layer.load_state_dict(old_layers[i].state_dict())
+        else:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.w_down.zero_(), layer.mlp.shared_experts.down_proj.weight.zero_()
+    for name, value in v1.decoder.state_dict().items():
+        target = grown.decoder.state_dict()[name]
+        if name.startswith("layers."):
+            continue
+        if name in ("embed_tokens.weight", "lm_head.weight"):  # same ids for v1's tokens; new ones after them
+            n = value.shape[0]
+            target[:n] = value
+            target[n:] = torch.randn(target[n:].shape, generator=torch.Generator().manual_seed(seed)) * value.std()
+        else:
+            target.copy_(value)
+    grown.config["ocr_latent"] = dict(v1.config.get("ocr_latent", {}))
+    return grown
 
 
 def save_run(model: OCRModel, out: Path, extra: dict[str, torch.Tensor] | None = None) -> None:
