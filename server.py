@@ -35,10 +35,11 @@ from pydantic import ValidationError
 from ocr_latent.architecture import NUM_CODES, PACKED_BYTES
 from ocr_latent.client.codesfile import MEDIA_TYPE as CODES_MEDIA_TYPE, CodesFile, CodesFileError, pack, unpack
 from ocr_latent.serving.bodies import b64decode, read_image_bytes, read_json, wait_disconnect
-from ocr_latent.serving.documents import DocumentError, looks_like_pdf, open_image, render_pdf, settings_limits
+from ocr_latent.serving.documents import (DocumentError, decode_image, decoded_bytes, looks_like_pdf, probe_image,
+                                          render_pdf, settings_limits)
 from ocr_latent.serving.engine import DecodeResult, Engine, EngineConfig
 from ocr_latent.serving.errors import EngineError
-from ocr_latent.serving.guard import Guard
+from ocr_latent.serving.guard import TRIM_FROM_BYTES, DecodeBudget, Guard, trim_memory
 from ocr_latent.serving.http_errors import (ApiError, ClientGone, document_error, http_error, install_handlers,
                                             validation_message)
 from ocr_latent.serving.interface import EngineLike, JobLike
@@ -91,6 +92,8 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
     # PDFs render in worker processes (serving/pdf_worker.py), waited for on threads of their own
     app.state.pdf_pool = PdfPool(settings_limits(s))
     app.state.pdf_threads = concurrent.futures.ThreadPoolExecutor(s.pdf_workers, thread_name_prefix="pdf")
+    # images decode within a budget of memory, judged from their headers (IMAGE_MEMORY_BYTES)
+    app.state.decode_budget = DecodeBudget(s.image_memory_bytes, s.max_queue, s.request_timeout_s, s.retry_after_s)
     install_handlers(app)
     app.include_router(router)
     app.openapi = live_openapi(app)
@@ -169,6 +172,24 @@ async def render_pages(request: Request, data: bytes, mode: str, pages: str | No
     return work.result()
 
 
+async def decode_within_budget(request: Request, data: bytes, mode: str) -> Image.Image:
+    """An uploaded image, decoded off the event loop once what decoding it holds (judged from its header)
+    fits the app's budget (IMAGE_MEMORY_BYTES; else it waits, or gets a 503); a page of four times the view
+    or more is reduced as it is decoded (documents.decode_image), so only a few full-size pages exist at once,
+    and what a large one freed goes back to the system before its share of the budget does."""
+    s = request.app.state.settings
+    image = await asyncio.to_thread(probe_image, data, s.max_image_pixels, mode)
+    nbytes = decoded_bytes(image, mode)
+
+    def decode():
+        page = decode_image(image, mode)
+        if nbytes >= TRIM_FROM_BYTES:
+            trim_memory()
+        return page
+    async with request.app.state.decode_budget.hold(nbytes):
+        return await asyncio.to_thread(decode)
+
+
 def default_max_tokens(engine: EngineLike, prompt: str) -> int:
     """4096, or what a cache slot holds beyond the prompt when that is less (KV_CACHE_TOKENS)."""
     most = engine.max_new_tokens(prompt) if prompt in engine.info.prompts else None
@@ -230,7 +251,7 @@ async def encode(request: Request,
     engine, s = engine_of(request), request.app.state.settings
     as_file = format == "olc" or format is None and CODES_MEDIA_TYPE in request.headers.get("accept", "")
     data = await read_image_bytes(request, s.max_body_bytes)
-    info, is_pdf = engine.info, looks_like_pdf(data)
+    info, is_pdf, timeout_s = engine.info, looks_like_pdf(data), None
     try:
         if is_pdf:
             rendered = await render_pages(request, data, info.mode, pages, s.max_pages)
@@ -238,10 +259,12 @@ async def encode(request: Request,
         else:
             if pages is not None:
                 raise ApiError(422, "invalid_request", "pages= selects pages of a PDF; this is a single image")
-            numbers, images = [1], [await asyncio.to_thread(open_image, data, s.max_image_pixels)]
+            started = time.monotonic()
+            numbers, images = [1], [await decode_within_budget(request, data, info.mode)]
+            timeout_s = max(0.001, s.request_timeout_s - (time.monotonic() - started))  # the wait counts
     except DocumentError as e:
         raise document_error(e) from None
-    codes = await run_jobs(request, engine, [lambda im=im: engine.encode(im) for im in images])
+    codes = await run_jobs(request, engine, [lambda im=im: engine.encode(im, timeout_s) for im in images])
     if as_file:
         return Response(CodesFile(info.quantizer_fingerprint, info.mode, codes).to_bytes(), media_type=CODES_MEDIA_TYPE)
     packed = [base64.b64encode(pack(c)).decode() for c in codes]

@@ -62,7 +62,7 @@ class Encoder(EngineActor):
             [(_, image)] = render_pdf(data, self.engine.pipeline.mode, str(page), 1)
             return image
         try:
-            return open_image(data, self.max_pixels)
+            return open_image(data, self.max_pixels, self.engine.pipeline.mode)  # reduced as /encode reduces it
         except DocumentError as e:
             raise ValueError(str(e)) from None
 

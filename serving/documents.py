@@ -1,4 +1,5 @@
-"""Documents as page images: an image file opened within its limits (`open_image`), and PDF pages
+"""Documents as page images: an image file opened within its limits (`open_image`: its header read and
+judged first, `probe_image`; then decoded, a large page reduced as it is, `decode_image`), and PDF pages
 rendered with PDFium (pypdfium2) at the size the encoder's view mode takes.
 
 PDFium runs in worker processes (serving/pdf_worker.py), never in this one: each has a memory limit, and
@@ -40,11 +41,18 @@ class DocumentError(ValueError):
 IMAGE_FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "TIFF", "BMP")
 
 
-def open_image(data: bytes, max_pixels: int) -> Image.Image:
-    """Bytes -> RGB image (EXIF orientation applied: encoder.load_image, the one time it runs for a page).
-    The pixel count is checked from the header before the pixels are decoded: a DocumentError 413
-    (image_too_large) over `max_pixels`, 415 for anything that is not a supported image (any decoder
-    failure on bad bytes is the client's fault, never a 5xx)."""
+def open_image(data: bytes, max_pixels: int, mode: str | None = None) -> Image.Image:
+    """Bytes -> RGB image, upright (EXIF orientation applied): `probe_image` then `decode_image`."""
+    return decode_image(probe_image(data, max_pixels, mode), mode)
+
+
+def probe_image(data: bytes, max_pixels: int, mode: str | None = None) -> Image.Image:
+    """Bytes -> an image whose header is read and whose pixels are not yet decoded. The pixel count is
+    checked from the header: a DocumentError 413 (image_too_large) over `max_pixels`, 415 for anything that
+    is not a supported image (any decoder failure on bad bytes is the client's fault, never a 5xx), and for
+    a JPEG whose header claims more pixels than its bytes can hold. With the view `mode` it will be made
+    into, a large JPEG is set to decode at 1/2, 1/4 or 1/8 of its size (libjpeg's DCT scaling, never below
+    twice the view): `decoded_bytes` then says what decoding it will hold."""
     Image.init()
     try:
         image = Image.open(io.BytesIO(data), formats=[f for f in IMAGE_FORMATS if f in Image.OPEN])
@@ -58,9 +66,92 @@ def open_image(data: bytes, max_pixels: int) -> Image.Image:
                             f"is {max_pixels} (MAX_IMAGE_PIXELS)", 413, "image_too_large")
     if width < 1 or height < 1:
         raise DocumentError(f"image has no pixels ({width}x{height})", 415)
+    if image.format in ("JPEG", "MPO"):
+        check_jpeg_length(data, width, height)
+        fx, fy = reduction(image.size, mode)
+        if (fx, fy) != (1, 1):
+            image.draft(None, (width // fx, height // fy))
+    return image
+
+
+def check_jpeg_length(data: bytes, width: int, height: int) -> None:
+    """A Huffman-coded JPEG spends at least one bit on every 8x8 block of its first scan, and even at the
+    coarsest chroma sampling a component has a block per 32x32 pixels; a file shorter than that claims an
+    image its data does not hold (libjpeg would grey-fill the rest, at the cost of the claimed size)."""
+    frame = jpeg_frame(data)
+    if frame not in (0xC0, 0xC1, 0xC2, 0xC3):  # arithmetic coding can take less than a bit a block
+        return
+    least = -(-width // 32) * -(-height // 32) // 8
+    if len(data) < least:
+        raise DocumentError(f"the JPEG's data ends before its image does: its header says {width}x{height} pixels, "
+                            f"which take at least {least:,} bytes, and the file has {len(data):,}; send the whole "
+                            f"file", 415)
+
+
+def jpeg_frame(data: bytes) -> int | None:
+    """The marker of a JPEG's frame header (0xC0 baseline, 0xC2 progressive, ...), or None."""
+    i = 2
+    while i + 4 <= len(data) and data[i] == 0xFF:
+        marker = data[i + 1]
+        if marker == 0xFF or 0xD0 <= marker <= 0xD8 or marker == 0x01:  # fill byte, markers without a length
+            i += 1 if marker == 0xFF else 2
+            continue
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            return marker
+        if marker in (0xD9, 0xDA):  # the end, or a scan before any frame
+            return None
+        i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
+    return None
+
+
+def reduction(size: tuple[int, int], mode: str | None) -> tuple[int, int]:
+    """Whole factors by which a page of `size` can shrink and stay at least twice the view that `mode` makes
+    of it (letterboxed modes keep its aspect): the view then loses nothing visible, and a 6000x6600 scan is
+    held at 2000x2200, not at full size until the engine gets to it. (1, 1) without a mode."""
+    if mode is None:
+        return 1, 1
+    view, letterbox = MODES[mode]
+    w, h = size
+    if letterbox:
+        return (f := max(1, max(w, h) // (2 * view))), f
+    return max(1, w // (2 * view)), max(1, h // (2 * view))
+
+
+REDUCIBLE = ("L", "LA", "RGB", "RGBA", "CMYK", "YCbCr", "I", "F")  # Image.reduce's modes; P, 1, I;16 are not
+ORIENTATIONS = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+                5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+                8: Image.Transpose.ROTATE_90}  # EXIF orientation -> the transpose that makes the page upright
+
+
+def decoded_bytes(image: Image.Image, mode: str | None = None) -> int:
+    """The most memory that decoding a probed image holds at once, from its header: its pixels as Pillow
+    stores them (4 bytes a pixel for RGB, which it keeps as RGBX; 1 for L, P, 1), an RGB copy where its
+    mode must be converted before it is reduced, and the reduced (or converted) RGB page."""
+    w, h = image.size
+    fx, fy = reduction(image.size, mode)
+    full = w * h * (1 if image.mode in ("1", "L", "P") else 4)
+    reduced = (fx, fy) != (1, 1)
+    converted = w * h * 4 if reduced and image.mode not in REDUCIBLE else 0
+    return full + converted + ((w // fx) * (h // fy) * 4 if reduced or image.mode != "RGB" else 0)
+
+
+def decode_image(image: Image.Image, mode: str | None = None) -> Image.Image:
+    """A probed image -> RGB, upright; a page of at least four times `mode`'s view is reduced by a whole
+    factor (`reduction`, Image.reduce's box filter) as soon as it is decoded, and its full-size pixels freed."""
     try:
         image.load()
-        return load_image(image)
+        fx, fy = reduction(image.size, mode)
+        if (fx, fy) == (1, 1):
+            return load_image(image)
+        orientation = image.getexif().get(0x0112, 1)
+        source = image if image.mode in REDUCIBLE else image.convert("RGB")
+        reduced = source.reduce((fx, fy))
+        image.close()  # the full-size pixels go now, not when the caller lets go
+        source.close()
+        reduced.info = {}  # no EXIF left to rotate it by again (encoder.load_image)
+        if orientation in ORIENTATIONS:
+            reduced = reduced.transpose(ORIENTATIONS[orientation])
+        return reduced if reduced.mode == "RGB" else reduced.convert("RGB")
     except Image.DecompressionBombError as e:
         raise DocumentError(f"image too large: {e}", 413, "image_too_large") from None
     except MemoryError:

@@ -175,7 +175,7 @@ def main(argv: list[str]) -> None:
 @dataclass
 class Limits:
     workers: int = 2
-    memory_bytes: int = 1 << 30
+    memory_bytes: int = 512 << 20
     deadline_s: float = 10.0
 
 

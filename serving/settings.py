@@ -22,7 +22,8 @@ NUMBERS = {
     "port": (int, 0), "torch_threads": (int, 1), "encode_batch_window_ms": (float, 0), "encode_max_batch": (int, 1),
     "decode_slots": (int, 1), "kv_cache_tokens": (int, 2), "max_queue": (int, 1), "request_timeout_s": (float, 0.001),
     "retry_after_s": (int, 0), "shutdown_drain_s": (float, 0), "max_body_bytes": (int, 1), "max_image_pixels": (int, 1),
-    "max_pages": (int, 1), "header_timeout_s": (float, 0.1), "max_connections": (int, 1), "replica_cpus": (float, 0),
+    "max_pages": (int, 1), "image_memory_bytes": (int, 1 << 20),
+    "header_timeout_s": (float, 0.1), "max_connections": (int, 1), "replica_cpus": (float, 0),
     "encode_gpus": (float, 0), "decode_gpus": (float, 0), "ingress_cpus": (float, 0), "ray_num_cpus": (int, 1),
     "ray_object_store_bytes": (int, 80_000_000), "pdf_workers": (int, 1), "pdf_memory_bytes": (int, 64 << 20),
     "pdf_deadline_s": (float, 0.1), "test_load_delay_s": (float, 0), "test_step_delay_s": (float, 0),
@@ -67,11 +68,13 @@ class Settings(BaseSettings):
     max_body_bytes: int = env("MAX_BODY_BYTES", 20_000_000)
     max_image_pixels: int = env("MAX_IMAGE_PIXELS", 40_000_000)
     max_pages: int = env("MAX_PAGES", 32)
+    # what images being decoded at once may hold, judged from their headers (serving/guard.py DecodeBudget)
+    image_memory_bytes: int = env("IMAGE_MEMORY_BYTES", 256 << 20)
     header_timeout_s: float = env("HEADER_TIMEOUT_S", 10.0)
     max_connections: int = env("MAX_CONNECTIONS", 1000)
     # PDF rendering (serving/pdf_worker.py): worker processes, each's address space, each page's deadline
     pdf_workers: int = env("PDF_WORKERS", 2)
-    pdf_memory_bytes: int = env("PDF_MEMORY_BYTES", 1 << 30)
+    pdf_memory_bytes: int = env("PDF_MEMORY_BYTES", 512 << 20)
     pdf_deadline_s: float = env("PDF_DEADLINE_S", 10.0)
     # logs
     log_level: str = env("LOG_LEVEL", "info")

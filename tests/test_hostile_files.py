@@ -1,6 +1,10 @@
 """What a file or a request can do to the server and the CLI: each case a hostile tester or a new
 user met, as a regression test. Damaged and lying documents get a clear 4xx, never a 5xx or a Python
-repr; codes that changed after they were written are refused naming the page."""
+repr; codes that changed after they were written are refused naming the page; an image costs the
+server what its header says it will, within a budget, and not for longer than its request."""
+import asyncio
+import concurrent.futures
+import io
 import os
 import signal
 import subprocess
@@ -10,10 +14,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from PIL import Image, PngImagePlugin
+from PIL import Image, ImageDraw, ImageOps, PngImagePlugin
 
 from conftest import ROOT, assert_error, pdf, png_bytes, serving
 from ocr_latent.client.codesfile import MEDIA_TYPE, CodesFile, pack
+from ocr_latent.serving.documents import decoded_bytes, open_image, probe_image
+from ocr_latent.serving.guard import DecodeBudget
+from ocr_latent.serving.http_errors import ApiError
 from ocr_latent.training.pages import test_pages
 
 pytestmark = pytest.mark.slow  # starts servers (~10 s each): left out of the fast lane, `./test.sh -m "not slow"`
@@ -133,3 +140,118 @@ def test_sigterm_ends_the_server_with_status_0(tmp_path):
     with serving(tmp_path, "sigterm") as srv:
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(30) == 0, srv.log()
+
+
+# ----------------------------------------------------------------------------- what an image costs (issue 30)
+def rss_bytes(pid: int) -> int:
+    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+def lying_jpeg(width: int = 6600, height: int = 6000) -> bytes:
+    """An 8x8 grey JPEG (332 bytes) whose frame header claims width x height (bench/hostile_load.py's)."""
+    data = bytearray(png_bytes(Image.new("L", (8, 8), 90), "JPEG"))
+    sof = data.index(b"\xff\xc0")  # marker, length, precision, then height and width
+    data[sof + 5:sof + 9] = height.to_bytes(2, "big") + width.to_bytes(2, "big")
+    return bytes(data)
+
+
+def large_page(width: int = 4400, height: int = 4200) -> Image.Image:
+    """A white page over 4x the 1024-pixel view, a black block in its top left corner."""
+    page = Image.new("RGB", (width, height), "white")
+    ImageDraw.Draw(page).rectangle((200, 100, 1400, 700), fill="black")
+    return page
+
+
+def test_a_jpeg_whose_header_claims_more_than_its_data_holds_is_refused_cheaply(server, client):
+    data = lying_jpeg()
+    assert len(data) < 400
+    before = rss_bytes(server.proc.pid)
+    for _ in range(4):
+        err = assert_error(client.post("/encode", content=data, headers={"Content-Type": "image/jpeg"}), 415)
+        assert "ends before its image does" in err["message"] and "6600x6000" in err["message"], err
+    grown = rss_bytes(server.proc.pid) - before
+    assert grown < 30 << 20, f"4 lying JPEGs grew the server by {grown >> 20} MiB"
+    whole = png_bytes(Image.new("RGB", (600, 400), "white"), "JPEG")  # a whole JPEG still reads
+    assert client.post("/encode", content=whole, headers={"Content-Type": "image/jpeg"}).status_code == 200
+
+
+def test_a_large_page_is_reduced_as_it_is_decoded_and_turned_upright_once():
+    page = large_page()
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotated: shown upright after a quarter turn clockwise
+    data = png_bytes(page, exif=exif.tobytes())
+    read = open_image(data, 40_000_000, "base")
+    assert read.size == (2100, 2200) and read.mode == "RGB" and read.getexif().get(0x0112) is None
+    upright = ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB").reduce(2)
+    assert np.array_equal(np.asarray(read), np.asarray(upright))
+    # a JPEG decodes at half its size straight away, and costs that: a quarter of the whole page's pixels
+    jpeg = probe_image(png_bytes(page, "JPEG"), 40_000_000, "base")
+    assert jpeg.size == (2200, 2100) and decoded_bytes(jpeg, "base") == 2200 * 2100 * 4
+    # below 4x the view a page is read as it always was
+    small = Image.new("RGB", (3000, 2000), "white")
+    assert np.array_equal(np.asarray(open_image(png_bytes(small), 40_000_000, "base")), np.asarray(small))
+
+
+def test_the_decode_budget_takes_images_in_turn_and_refuses_with_retry_after():
+    async def scenario():
+        budget, order = DecodeBudget(100, max_waiting=1, wait_s=0.5, retry_after_s=3), []
+
+        async def take(name: str, nbytes: int, hold_s: float):
+            async with budget.hold(nbytes):
+                order.append(name)
+                await asyncio.sleep(hold_s)
+
+        first = asyncio.create_task(take("a", 60, 0.2))
+        await asyncio.sleep(0.01)
+        second = asyncio.create_task(take("b", 60, 0))
+        await asyncio.sleep(0.01)
+        assert budget.used == 60 and len(budget.waiting) == 1
+        with pytest.raises(ApiError) as refused:  # one already waits (MAX_QUEUE=1)
+            async with budget.hold(10):
+                pass
+        assert refused.value.status == 503 and refused.value.headers == {"Retry-After": "3"}
+        assert "IMAGE_MEMORY_BYTES" in refused.value.message
+        await asyncio.gather(first, second)
+        assert order == ["a", "b"] and budget.used == 0
+        async with budget.hold(10 ** 9):  # larger than the whole budget: decoded alone
+            assert budget.used == 100
+        slow = asyncio.create_task(take("c", 100, 1.0))
+        await asyncio.sleep(0.01)
+        with pytest.raises(ApiError) as late:  # waited wait_s for its turn
+            async with budget.hold(1):
+                pass
+        assert late.value.status == 503 and "0.5 s" in late.value.message
+        gone = asyncio.create_task(take("d", 50, 0))  # its client leaves while it waits
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        await slow
+        assert budget.used == 0 and not budget.waiting and order == ["a", "b", "c"]
+    asyncio.run(scenario())
+
+
+def test_large_images_decode_within_the_budget_and_their_memory_goes_back(tmp_path):
+    data = png_bytes(large_page())
+    with serving(tmp_path, "budget", IMAGE_MEMORY_BYTES=1 << 20, MAX_QUEUE=1) as srv, \
+            httpx.Client(base_url=srv.url, timeout=120) as c:
+        assert c.post("/encode", content=png_bytes(Image.new("RGB", (512, 512), "white")),
+                      headers={"Content-Type": "image/png"}).status_code == 200
+        before = rss_bytes(srv.proc.pid)
+
+        def send(_):
+            with httpx.Client(base_url=srv.url, timeout=120) as each:
+                return each.post("/encode", content=data, headers={"Content-Type": "image/png"})
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(send, range(4)))
+        statuses = sorted(r.status_code for r in replies)
+        print(f"4 concurrent 4400x4200 pages, one decoding at a time, one waiting: {statuses}")
+        assert set(statuses) <= {200, 503} and 200 in statuses, [r.text[:200] for r in replies]
+        for r in replies:
+            if r.status_code == 503:
+                err = assert_error(r, 503)
+                assert err["type"] == "overloaded" and "IMAGE_MEMORY_BYTES" in err["message"]
+                assert r.headers["retry-after"]
+        assert len({tuple(r.json()["codes"]) for r in replies if r.status_code == 200}) == 1
+        kept = rss_bytes(srv.proc.pid) - before
+        print(f"server RSS after them: {kept >> 20:+d} MiB")
+        assert kept < 64 << 20, f"the server kept {kept >> 20} MiB after 4 large pages (see guard.trim_memory)"
