@@ -1,0 +1,50 @@
+"""bench/gpu_suite.sh, the first GPU hour's run, at tiny sizes on the CPU: every section runs and leaves its
+JSON with figures that add up (a GPU run is `bash bench/gpu_suite.sh`, docs/gpu.md)."""
+import json
+import subprocess
+
+import pytest
+
+from conftest import ROOT
+
+
+@pytest.mark.slow  # every section: two services (one compiling), a trainer, torch.compile (~3 min here)
+def test_the_gpu_suite_runs_every_section_at_tiny_sizes(tmp_path):
+    out = subprocess.run(["bash", "bench/gpu_suite.sh", "--tiny", "--out", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    suite = json.loads(out.stdout.strip().splitlines()[-1])
+    assert suite == json.loads((tmp_path / "suite.json").read_text())
+    loads = [f"load_{t}_{c}" for t in (8, 16) for c in (1, 2)] + [f"eager_load_8_{c}" for c in (1, 2)]
+    names = ["checkpoint", "serve_compiled", *loads[:4], "encode", "serve_eager", *loads[4:], "gpu_bench", "quantizer",
+             "agreement"]
+    assert [s["name"] for s in suite["sections"]] == names
+    assert all(s["status"] == "ok" for s in suite["sections"]), suite["sections"]
+    assert suite["tiny"] and (tmp_path / "commit.txt").read_text().startswith(suite["commit"])
+    read = lambda name: json.loads((tmp_path / f"{name}.json").read_text())
+    assert read("checkpoint")["params"] > 0 and read("checkpoint")["checkpoint_gb"] > 0
+    for name, compile in (("serve_compiled", "1"), ("serve_eager", "0")):
+        served = read(name)
+        assert served["time_to_healthy_s"] > 0 and served["health"]["status"] == "ok", served
+        assert served["settings"]["COMPILE"] == compile and served["warmup_s"] is not None
+    for name in loads:
+        (level,) = read(name)["levels"]
+        tokens, n = int(name.split("_")[-2]), level["requests"]
+        assert level["succeeded"] == n and level["errors"] == {} and level["exact_lengths"] == n, level
+        assert level["output_tokens"] == n * tokens and level["output_tokens_per_s"] > 0
+        assert 0 < level["ttft_ms"]["p50"] <= level["latency_ms"]["p50"] and level["tpot_ms"]["p50"] > 0
+    (encoded,) = read("encode")["levels"]
+    assert encoded["pages"] == encoded["requests"] == 4 and encoded["pages_per_s"] > 0 and encoded["errors"] == {}
+    bench = read("gpu_bench")
+    assert bench["decode"]["eager"]["1"]["tokens_per_s"] > 0 and bench["skipped"] == ["healthy"]  # the service was timed
+    assert set(bench["timeline"]) == {"host_rule", "device_rule", "device_rule_overlap"}
+    for by_rows in bench["timeline"].values():
+        assert all(by_rows["4"][part]["p50"] > 0 for part in ("forward_ms", "host_ms", "detokenise_ms", "step_wall_ms"))
+    trained = read("quantizer")
+    assert trained["feature_cache"]["pages_per_s"] > 0 and trained["largest_batch"] == 4
+    assert [(r["batch"], r["rc"]) for r in trained["runs"]] == [(2, 0), (4, 0)]
+    assert all(r["sec_per_step"] > 0 and r["steps"] == 2 for r in trained["runs"])
+    agreed = read("agreement")
+    assert agreed["ok"] and set(agreed["dtypes"]) == {"float32", "bf16"}
+    assert agreed["dtypes"]["float32"]["identical_pages"] == agreed["dtypes"]["float32"]["pages"] == 2
+    assert set(suite["headline"]) >= {"serve_compiled_healthy_s", "encode_pages_per_s", "timeline", "quantizer", "agreement"}
