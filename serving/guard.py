@@ -111,6 +111,11 @@ class Guard:
             except BodyTooLarge:
                 if not state["started"]:
                     await too_large(scope, receive, send_wrapper)
+        except asyncio.CancelledError:
+            # Ray Serve's proxy cancels a request whose client hung up: a 499 like the plain server's, not a 500
+            if not state["started"]:
+                state["status"] = 499
+            raise
         finally:
             self.m.requests.labels(endpoint, str(state["status"])).inc()
             self.m.latency.labels(endpoint).observe(time.perf_counter() - t0)

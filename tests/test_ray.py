@@ -24,7 +24,7 @@ import httpx
 import pytest
 import pyarrow.parquet as pq
 
-from conftest import RAY, Server, png_bytes
+from conftest import RAY, Server, metric, png_bytes
 from ocr_latent.training.pages import test_pages
 
 pytestmark = pytest.mark.slow  # starts servers (~10 s each): left out of the fast lane, `./test.sh -m "not slow"`
@@ -111,6 +111,23 @@ def test_health_errors_and_metrics_are_the_plain_servers(clients):
     schema = ray.get("/openapi.json").json()
     assert schema["paths"]["/decode"]["post"]["requestBody"]["content"]["application/json"]["schema"][
         "properties"]["quantizer"]["enum"] == [quantizer]
+
+
+def test_a_client_that_hangs_up_mid_decode_is_counted_as_499_without_a_traceback(servers, clients):
+    """Serve's proxy cancels the request of a client that left: /metrics counts it as 499, as the plain
+    server does, not as a server error, and the log holds no traceback for it."""
+    _, ray = clients
+    codes = base64.b64encode(bytes(2048)).decode()
+    before = {s: metric(ray, "ocr_latent_requests_total", endpoint="/decode", status=s) for s in ("499", "500")}
+    log_before = servers[1].log_path.read_text()
+    with pytest.raises(httpx.TimeoutException):  # reads past the page's end for 4,000 tokens: long after 1 s
+        ray.post("/decode", json={"codes_b64": codes, "max_tokens": 4000, "ignore_eos": True}, timeout=1.0)
+    deadline = time.monotonic() + 60
+    while metric(ray, "ocr_latent_requests_total", endpoint="/decode", status="499") < before["499"] + 1:
+        assert time.monotonic() < deadline, "the hang-up was not counted as 499"
+        time.sleep(0.5)
+    assert metric(ray, "ocr_latent_requests_total", endpoint="/decode", status="500") == before["500"]
+    assert "Traceback" not in servers[1].log_path.read_text()[len(log_before):]
 
 
 def test_same_codes_and_texts_as_the_plain_server(clients, images):
