@@ -328,7 +328,7 @@ class Generator:
         self._turn ^= 1
         tokens, copied = self._host_tokens[self._turn, :B], self._copied[self._turn]
         tokens.copy_(best, non_blocking=True)
-        copied.record()
+        copied.record(torch.cuda.current_stream(best.device))
         return rows, tokens, None, copied
 
     def _collect(self, rows: list, tokens: Tensor, logits: Tensor | None, copied) -> None:

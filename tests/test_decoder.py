@@ -115,6 +115,20 @@ def test_a_decode_step_never_reads_back_to_the_host(monkeypatch, dtype, grouped)
                 decoder.prefill(cache, [0], prompt)
 
 
+def test_the_ban_inside_the_step_never_reads_back_to_the_host():
+    """The n-gram ban that a CUDA step runs (and its graph captures), on the meta device, where a value read
+    back to the host raises: every row's ban, exempt tokens and the window's shift are tensor ops alone."""
+    gen = object.__new__(Generator)
+    gen.rule = RepetitionRule(exempt=frozenset({3, 4}))
+    gen.exempt = torch.zeros(300, dtype=torch.bool, device="meta")
+    recent = torch.zeros(4, gen.rule.window, dtype=torch.long, device="meta")
+    logits = torch.zeros(4, 300, device="meta")
+    with torch.inference_mode():
+        gen._ban(logits, recent)
+        best = logits.argmax(-1)
+        assert torch.cat([recent[:, 1:], best[:, None]], 1).shape == recent.shape
+
+
 def test_the_moe_paths_agree(small_modules, monkeypatch):
     _, decoder = small_modules
     moe = decoder.layers[1].mlp
