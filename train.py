@@ -35,7 +35,7 @@ from ocr_latent.training.manifest import ROOT, curve_file, data_record, update_m
 from ocr_latent.training.nano import grown_nano, model_charset, new_nano, save_run
 from ocr_latent.training.recipe import code_fsq, cosine_to_tenth
 from ocr_latent.training.pages import (ORDINARY, PAGE_KINDS, PageSpec, PageStream, char_targets, load_corpus,
-                                      split_documents, test_pages)
+                                      split_documents, test_pages, toward_ordinary)
 
 # ----------------------------------------------------------------------------- base training
 @torch.no_grad()
@@ -218,8 +218,13 @@ class BaseTraining:
 
     def page_batch(self, step: int):
         args = self.args
-        v1_joint = self.stage == "joint" and args.pages == "small"  # v1's first runs: few lines first
-        stream = PageStream(self.docs["train"], curriculum(step, args.curriculum) if v1_joint else self.kind,
+        if self.stage == "joint" and args.pages == "small":  # v1's first runs: few lines first
+            kind = curriculum(step, args.curriculum)
+        elif self.stage == "joint" and args.pages == "nano2":  # from large text (what v1 reads) to ordinary pages
+            kind = toward_ordinary(step // args.curriculum)
+        else:
+            kind = self.kind
+        stream = PageStream(self.docs["train"], kind,
                             seed=args.seed)
         pages = [stream[step * args.batch + i] for i in range(args.batch)]
         return pages, pixels_of(pages, self.mode)
@@ -444,7 +449,8 @@ def main(argv=None, prog: str | None = None) -> None:
     b.add_argument("--patch-weight", type=float, default=0.0, help="encoder stage: weight of the per-patch (16 px) "
                    "reading-order loss on SAM's neck")
     b.add_argument("--patch-slots", type=int, default=2, help="characters read per 16 px patch")
-    b.add_argument("--curriculum", type=int, default=300, help="steps per curriculum stage")
+    b.add_argument("--curriculum", type=int, default=300, help="joint stage: steps per curriculum level (small pages: "
+                   "more lines a level; nano2: smaller text a level, pages.toward_ordinary)")
     b.add_argument("--eval-every", type=int, default=200)
     b.add_argument("--val-pages", type=int, default=32)
     b.add_argument("--save-every", type=int, default=50)

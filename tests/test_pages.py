@@ -125,3 +125,19 @@ def test_clean_page_has_plain_background_and_boxes_cover_ink(docs):
 def test_wide_text_still_fits():
     p = pages.render_page(0, "MWMWMWMWMWMWMWMWMWMWMWMWMWMWMW " * 50, CLEAN)  # 30-char capital words
     assert max(b[3] for b in p.char_boxes) <= 512 - 16 and 3 <= len(p.lines) <= 6
+
+
+def test_the_curriculum_toward_ordinary_pages_shrinks_the_text_then_is_the_nano2_mix(docs):
+    """Level 0 starts where v1 reads (40-56 px text), each level's text is smaller, and the last level is
+    NANO2_PAGES itself; every page's lines fit it."""
+    from ocr_latent.training.pages import NANO2_PAGES, toward_ordinary
+    sizes = []
+    for level in range(4):
+        mix = toward_ordinary(level)
+        spec = mix.specs[0]
+        sizes.append((spec.min_font_size, spec.max_font_size))
+        stream = pages.PageStream(docs, mix, seed=0)
+        for page in (stream[i] for i in range(3)):
+            assert page.text and all(0 <= b[1] < b[3] <= page.image.size[0] for b in page.char_boxes)
+    assert sizes[0] == (40, 56) and all(a > b for a, b in zip(sizes, sizes[1:]))
+    assert toward_ordinary(4) is NANO2_PAGES and toward_ordinary(9) is NANO2_PAGES

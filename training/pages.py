@@ -18,7 +18,7 @@ import math
 import random
 import re
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -164,6 +164,20 @@ class PageMix:
 # What nano v2 trains on: mostly ordinary pages, and today's small pages so that it keeps reading them.
 NANO2_PAGES = PageMix((ORDINARY, SMALL_LATIN1), (0.85, 0.15))
 PAGE_KINDS = {"small": SMALL, "ordinary": ORDINARY, "nano2": NANO2_PAGES}  # by the name a command line gives
+
+
+def toward_ordinary(level: int, levels: int = 4) -> PageMix:
+    """A curriculum from what nano v1 reads to NANO2_PAGES (reached at `levels`): ordinary pages whose text
+    starts at 40-56 px (v1's 512 px pages at 22-30 px are 44-60 px in the view) and shrinks a step a level,
+    with fewer and shorter lines where large text would not fit, beside today's small pages."""
+    if level >= levels:
+        return NANO2_PAGES
+    t = level / levels
+    low, high = round(40 - t * (40 - 18)), round(56 - t * (56 - 40))
+    chars = min(ORDINARY.max_chars_per_line, 1700 // high)  # a line of DejaVu is about 0.55 em a character
+    spec = replace(ORDINARY, min_font_size=low, max_font_size=high, min_chars_per_line=min(20, chars),
+                   max_chars_per_line=chars, min_lines=4, max_lines=min(ORDINARY.max_lines, 900 // (high * 4 // 3)))
+    return PageMix((spec, SMALL_LATIN1), NANO2_PAGES.weights)
 
 
 @dataclass
