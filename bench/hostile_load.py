@@ -29,52 +29,14 @@ from pathlib import Path
 import httpx
 from PIL import Image, ImageDraw, ImageFont
 
+from ocr_latent.examples.hostile import bomb, lying_jpeg
+
 ROOT = Path(__file__).resolve().parents[1]
 GB, MB = 10**9, 10**6
 LIMITS = {"reply_s": 90.0, "health_s": 3.0, "peak_bytes": 1.5 * GB, "held_bytes": 400 * MB}
 
 
 # ----------------------------------------------------------------------------- the files
-def pdf(objects: list[str]) -> bytes:
-    """A PDF of these numbered objects (1 is the catalog) with a correct cross-reference table."""
-    out, offsets = io.BytesIO(), []
-    out.write(b"%PDF-1.4\n")
-    for number, body in enumerate(objects, 1):
-        offsets.append(out.tell())
-        out.write(f"{number} 0 obj\n{body}\nendobj\n".encode())
-    xref = out.tell()
-    out.write(f"xref\n0 {len(objects) + 1}\n0000000000 65535 f \n".encode())
-    out.write("".join(f"{o:010d} 00000 n \n" for o in offsets).encode())
-    out.write(f"trailer\n<< /Size {len(objects) + 1} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n".encode())
-    return out.getvalue()
-
-
-def bomb(levels: int = 7, fanout: int = 10) -> bytes:
-    """One page whose forms nest `levels` deep, each drawing the next `fanout` times: fanout ** (levels - 1)
-    rectangles (as tests/test_pdf_bombs.py builds them)."""
-    def stream(entries: str, content: str) -> str:
-        return f"<< {entries} /Length {len(content)} >>\nstream\n{content}\nendstream"
-    objects = ["<< /Type /Catalog /Pages 2 0 R >>", "<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
-               "<< /Type /Page /Parent 2 0 R /MediaBox [0 0 200 200] /Contents 4 0 R "
-               "/Resources << /XObject << /X 5 0 R >> >> >>", stream("", "/X Do")]
-    for level in range(levels):
-        last = level == levels - 1
-        resources = "" if last else f"/Resources << /XObject << /X {6 + level} 0 R >> >>"
-        content = "0 0 1 rg 10 10 100 100 re f" if last else " ".join(["/X Do"] * fanout)
-        objects.append(stream(f"/Type /XObject /Subtype /Form /BBox [0 0 200 200] {resources}", content))
-    return pdf(objects)
-
-
-def lying_jpeg(width: int = 6600, height: int = 6000) -> bytes:
-    """An 8x8 grey JPEG whose frame header (SOF0) claims width x height: the data ends after one block."""
-    buf = io.BytesIO()
-    Image.new("L", (8, 8), 90).save(buf, "JPEG")
-    data = bytearray(buf.getvalue())
-    sof = data.index(b"\xff\xc0")  # marker, length (2), precision (1), height (2), width (2)
-    data[sof + 5:sof + 9] = height.to_bytes(2, "big") + width.to_bytes(2, "big")
-    return bytes(data)
-
-
 def big_png(width: int = 6000, height: int = 6600, seed: int = 0) -> bytes:
     """A white RGB page of width x height with a few lines of large black text: compresses to a few hundred KB."""
     image = Image.new("RGB", (width, height), "white")

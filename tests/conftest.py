@@ -166,20 +166,6 @@ def serving(tmp: Path, name: str, timeout: float = 60.0, launch: Launch = PLAIN,
 
 
 # ----------------------------------------------------------------------------- talking to one
-def pdf(objects: list[str]) -> bytes:
-    """A PDF of these numbered objects (1 is the catalog) with a correct cross-reference table."""
-    out, offsets = io.BytesIO(), []
-    out.write(b"%PDF-1.4\n")
-    for number, body in enumerate(objects, 1):
-        offsets.append(out.tell())
-        out.write(f"{number} 0 obj\n{body}\nendobj\n".encode())
-    xref = out.tell()
-    out.write(f"xref\n0 {len(objects) + 1}\n0000000000 65535 f \n".encode())
-    out.write("".join(f"{o:010d} 00000 n \n" for o in offsets).encode())
-    out.write(f"trailer\n<< /Size {len(objects) + 1} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n".encode())
-    return out.getvalue()
-
-
 def png_bytes(image: Image.Image, fmt: str = "PNG", **kw) -> bytes:
     buf = io.BytesIO()
     image.save(buf, fmt, **kw)

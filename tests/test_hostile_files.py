@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageOps, PngImagePlugin
 
-from conftest import ROOT, assert_error, pdf, png_bytes, serving
+from conftest import ROOT, assert_error, png_bytes, serving
+from ocr_latent.examples.hostile import lying_jpeg, pdf
 from ocr_latent.client.codesfile import MEDIA_TYPE, CodesFile, pack
 from ocr_latent.serving.documents import decoded_bytes, open_image, probe_image
 from ocr_latent.serving.guard import DecodeBudget
@@ -146,14 +147,6 @@ def test_sigterm_ends_the_server_with_status_0(tmp_path):
 def rss_bytes(pid: int) -> int:
     line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS:"))
     return int(line.split()[1]) * 1024
-
-
-def lying_jpeg(width: int = 6600, height: int = 6000) -> bytes:
-    """An 8x8 grey JPEG (332 bytes) whose frame header claims width x height (bench/hostile_load.py's)."""
-    data = bytearray(png_bytes(Image.new("L", (8, 8), 90), "JPEG"))
-    sof = data.index(b"\xff\xc0")  # marker, length, precision, then height and width
-    data[sof + 5:sof + 9] = height.to_bytes(2, "big") + width.to_bytes(2, "big")
-    return bytes(data)
 
 
 def large_page(width: int = 4400, height: int = 4200) -> Image.Image:

@@ -11,30 +11,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import ROOT, assert_error, pdf, serving
+from conftest import ROOT, assert_error, serving
+from ocr_latent.examples.hostile import bomb
 
 pytestmark = pytest.mark.slow  # starts servers (~10 s each): left out of the fast lane, `./test.sh -m "not slow"`
 
 DEADLINE_S = 2.0
 PDF = {"Content-Type": "application/pdf"}
-
-
-def stream(entries: str, content: str) -> str:
-    return f"<< {entries} /Length {len(content)} >>\nstream\n{content}\nendstream"
-
-
-def bomb(levels: int, fanout: int) -> bytes:
-    """One page whose content draws form 5; each form draws the one below it `fanout` times, the last one
-    fills a rectangle: fanout ** (levels - 1) rectangles."""
-    objects = ["<< /Type /Catalog /Pages 2 0 R >>", "<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
-               "<< /Type /Page /Parent 2 0 R /MediaBox [0 0 200 200] /Contents 4 0 R "
-               "/Resources << /XObject << /X 5 0 R >> >> >>", stream("", "/X Do")]
-    for level in range(levels):
-        last = level == levels - 1
-        resources = "" if last else f"/Resources << /XObject << /X {6 + level} 0 R >> >>"
-        content = "0 0 1 rg 10 10 100 100 re f" if last else " ".join(["/X Do"] * fanout)
-        objects.append(stream(f"/Type /XObject /Subtype /Form /BBox [0 0 200 200] {resources}", content))
-    return pdf(objects)
 
 
 MILLION = bomb(7, 10)  # 10^6 rectangles, ~1.9 KB
