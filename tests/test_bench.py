@@ -2,6 +2,7 @@
 JSON with figures that add up (a GPU run is `bash bench/gpu_suite.sh`, docs/gpu.md)."""
 import json
 import subprocess
+import sys
 
 import pytest
 
@@ -48,3 +49,14 @@ def test_the_gpu_suite_runs_every_section_at_tiny_sizes(tmp_path):
     assert agreed["ok"] and set(agreed["dtypes"]) == {"float32", "bf16"}
     assert agreed["dtypes"]["float32"]["identical_pages"] == agreed["dtypes"]["float32"]["pages"] == 2
     assert set(suite["headline"]) >= {"serve_compiled_healthy_s", "encode_pages_per_s", "timeline", "quantizer", "agreement"}
+
+
+def test_the_curriculum_levels_bench_reads_the_small_pages_and_not_level_0():
+    """bench/curriculum_levels.py on the embedded nano v1: its own small pages read (CER well under 0.5),
+    the 40-56 px ordinary pages of the curriculum's level 0 not (its layout is new to v1): the figures
+    docs/training.md gives for the v3 run's start."""
+    out = subprocess.run([sys.executable, "bench/curriculum_levels.py", "--levels", "small,0", "--pages", "2",
+                          "--max-tokens", "256"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    levels = json.loads(out.stdout.strip().splitlines()[-1])["levels"]
+    assert levels["small"]["cer"] < 0.5 < levels["0"]["cer"] and levels["0"]["chars"] > levels["small"]["chars"]

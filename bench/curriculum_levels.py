@@ -1,0 +1,40 @@
+"""Uncompressed CER of a model (a training run's directory, or the embedded nano) on held-out pages of each
+level of nano v3's curriculum (`pages.toward_ordinary`: 0 is 40-56 px text on ordinary pages, 4 the nano2
+mix's ordinary pages) and of nano v1's small pages (`small`): where a curriculum run stands.
+
+    python bench/curriculum_levels.py runs/v3-joint --levels small,0,1,2,3,4 --pages 6
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from ocr_latent.checkpoint import load_model
+from ocr_latent.training.evaluation import evaluate
+from ocr_latent.training.manifest import ROOT
+from ocr_latent.training.pages import SMALL, PageStream, load_corpus, split_documents, toward_ordinary
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", nargs="?", default=str(ROOT / "weights" / "nano"), help="model directory")
+    ap.add_argument("--levels", default="small,0,1,2,3,4", help="comma-separated levels; small: nano v1's pages")
+    ap.add_argument("--pages", type=int, default=6, help="validation-split pages a level")
+    ap.add_argument("--max-tokens", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, docs, out = load_model(args.model), split_documents(load_corpus())["val"], {}
+    for level in args.levels.split(","):
+        spec = SMALL if level == "small" else toward_ordinary(int(level)).specs[0]  # the level's own pages, not its mix
+        pages = [PageStream(docs, spec, seed=9)[i] for i in range(args.pages)]
+        cer = evaluate(model, pages, "base", max_tokens=args.max_tokens)["cer"]
+        out[level] = {"cer": round(cer, 3), "chars": sum(len(p.text) for p in pages)}
+        print(f"level {level:>5}: CER {cer:.3f} over {args.pages} pages ({out[level]['chars']} characters)", flush=True)
+    print(json.dumps({"model": args.model, "pages_per_level": args.pages, "levels": out}))
+
+
+if __name__ == "__main__":
+    main()
