@@ -304,27 +304,26 @@ class BaseTraining:
             if bottleneck:
                 row["val_cer_codes"] = round(evaluate(reader, self.val_pages, self.mode, quantizer=bottleneck,
                                                       max_tokens=args.max_tokens)["cer"], 4)
+        if self.use_order or self.use_patch:  # the validation pages through the towers once, for both heads
+            with torch.no_grad():
+                feats = model.encoder.encode_images([p.image for p in self.val_pages], self.mode)  # and self.neck
         if self.use_order:
-            row["val_slot_acc"] = round(slot_accuracy(model, self.order_head, self.val_pages, self.grid,
-                                                      args.order_slots, bottleneck, self.charset), 4)
+            row["val_slot_acc"] = round(slot_accuracy(feats, self.order_head, self.val_pages, self.grid,
+                                                      args.order_slots, self.charset, bottleneck), 4)
         if self.use_patch:
-            row["val_patch_acc"] = round(self.patch_accuracy(), 4)
+            row["val_patch_acc"] = round(self.patch_accuracy(self.neck), 4)
         model.encoder.train(self.train_encoder), model.decoder.train(self.train_decoder)
         return row
 
     @torch.no_grad()
-    def patch_accuracy(self) -> float:
-        """Share of the validation pages' occupied patch slots the patch head reads right."""
-        right = total = 0
-        for i in range(0, len(self.val_pages), 8):
-            pages = self.val_pages[i:i + 8]
-            self.model.encoder.encode_images([p.image for p in pages], self.mode)  # the neck hook keeps self.neck
-            logits = self.patch_head(self.neck.flatten(2).transpose(1, 2))
-            pred = logits.reshape(len(pages), -1, self.args.patch_slots, len(self.charset) + 1).argmax(-1)
-            target = torch.from_numpy(np.stack([order_targets(p, 4 * self.grid, self.args.patch_slots, self.charset)
-                                                for p in pages]))
-            occupied = target != len(self.charset)
-            right, total = right + int((pred == target)[occupied].sum()), total + int(occupied.sum())
+    def patch_accuracy(self, neck: torch.Tensor) -> float:
+        """Share of the validation pages' occupied patch slots the patch head reads right from SAM's neck."""
+        pred = self.patch_head(neck.flatten(2).transpose(1, 2))
+        pred = pred.reshape(len(self.val_pages), -1, self.args.patch_slots, len(self.charset) + 1).argmax(-1)
+        target = torch.from_numpy(np.stack([order_targets(p, 4 * self.grid, self.args.patch_slots, self.charset)
+                                            for p in self.val_pages]))
+        occupied = target != len(self.charset)
+        right, total = int((pred == target)[occupied].sum()), int(occupied.sum())
         return right / max(1, total)
 
     def save(self) -> None:

@@ -117,10 +117,11 @@ def grown_nano(v1: OCRModel, seed: int) -> OCRModel:
         else:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.w_down.zero_(), layer.mlp.shared_experts.down_proj.weight.zero_()
+    targets = grown.decoder.state_dict()
     for name, value in v1.decoder.state_dict().items():
-        target = grown.decoder.state_dict()[name]
         if name.startswith("layers."):
             continue
+        target = targets[name]
         if name in ("embed_tokens.weight", "lm_head.weight"):  # same ids for v1's tokens; new ones after them
             n = value.shape[0]
             target[:n] = value
