@@ -18,7 +18,6 @@ import concurrent.futures
 import io
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import httpx
 from PIL import Image, ImageDraw, ImageFont
 
 from ocr_latent.examples.hostile import bomb, lying_jpeg
+from throughput import start_server
 
 ROOT = Path(__file__).resolve().parents[1]
 GB, MB = 10**9, 10**6
@@ -158,26 +158,6 @@ def run_phase(url: str, name: str, data: bytes, content_type: str, count: int, w
             "messages": sorted({r["message"][:160] for r in replies if r["message"]})[:3]}
 
 
-def start_server(log: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port)}
-    proc = subprocess.Popen(["bash", str(ROOT / "serve.sh")], cwd=ROOT, env=env, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT)  # serve.sh execs the server: proc.pid is the server's
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
-    with httpx.Client(timeout=5) as c:
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if c.get(url + "/health").status_code == 200:
-                    return proc, url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-    proc.kill()
-    raise SystemExit(f"the server did not become healthy; its log: {log}\n{log.read_text()[-2000:]}")
-
-
 def idle_rss(pid: int, seconds: float = 3.0) -> int:
     samples = []
     for _ in range(int(seconds / 0.2)):
@@ -254,7 +234,7 @@ def main() -> int:
     if args.url:
         url, pid = args.url.rstrip("/"), args.pid
     else:
-        proc, url = start_server(args.log)
+        proc, url, _, _ = start_server({"LOG_LEVEL": "info"}, ["bash", str(ROOT / "serve.sh")], args.log)
         pid = proc.pid
     try:
         result = scenario(url, pid, args.settle_s, args.pngs, args.jpegs)

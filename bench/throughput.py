@@ -46,12 +46,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(env_extra: dict) -> tuple[subprocess.Popen, str, float, Path]:
+def start_server(env_extra: dict, command: list[str] | None = None,
+                 log: Path | None = None) -> tuple[subprocess.Popen, str, float, Path]:
+    """The server (`command`, default `python server.py`; one that execs it, as serve.sh does, leaves
+    proc.pid the server's) on a free port, its output in `log`: (process, url, seconds to healthy, log)."""
     port = free_port()
-    log = Path(tempfile.mkstemp(prefix="ocr-latent-bench-", suffix=".log")[1])
+    log = log or Path(tempfile.mkstemp(prefix="ocr-latent-bench-", suffix=".log")[1])
     env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port), "LOG_LEVEL": "warning", **env_extra}
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "server.py"], cwd=ROOT, env=env, stdout=open(log, "w"),
+    proc = subprocess.Popen(command or [sys.executable, "server.py"], cwd=ROOT, env=env, stdout=open(log, "w"),
                             stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     with httpx.Client(timeout=2) as c:

@@ -172,6 +172,14 @@ def png_bytes(image: Image.Image, fmt: str = "PNG", **kw) -> bytes:
     return buf.getvalue()
 
 
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory (VmRSS), bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
 def assert_error(r: httpx.Response, status: int) -> dict:
     """The documented error body, {"error": {"type", "message"}}, with this status; returns the error."""
     assert r.status_code == status, (r.status_code, r.text)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw, ImageOps, PngImagePlugin
 
-from conftest import ROOT, assert_error, png_bytes, serving
+from conftest import ROOT, assert_error, png_bytes, rss_bytes, serving
 from ocr_latent.examples.hostile import lying_jpeg, pdf
 from ocr_latent.client.codesfile import MEDIA_TYPE, CodesFile, pack
 from ocr_latent.serving.documents import decoded_bytes, open_image, probe_image
@@ -144,11 +144,6 @@ def test_sigterm_ends_the_server_with_status_0(tmp_path):
 
 
 # ----------------------------------------------------------------------------- what an image costs (issue 30)
-def rss_bytes(pid: int) -> int:
-    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS:"))
-    return int(line.split()[1]) * 1024
-
-
 def large_page(width: int = 4400, height: int = 4200) -> Image.Image:
     """A white page over 4x the 1024-pixel view, a black block in its top left corner."""
     page = Image.new("RGB", (width, height), "white")

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import ROOT, assert_error, serving
+from conftest import ROOT, assert_error, rss_bytes, serving
 from ocr_latent.examples.hostile import bomb
 
 pytestmark = pytest.mark.slow  # starts servers (~10 s each): left out of the fast lane, `./test.sh -m "not slow"`
@@ -23,13 +23,6 @@ PDF = {"Content-Type": "application/pdf"}
 MILLION = bomb(7, 10)  # 10^6 rectangles, ~1.9 KB
 TRILLION = bomb(13, 10)  # 10^12, ~3.2 KB
 EXAMPLE = (ROOT / "examples" / "two-pages.pdf").read_bytes()
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for {pid}")
 
 
 def pdf_workers(pid: int) -> set[int]:
