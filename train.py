@@ -34,8 +34,8 @@ from ocr_latent.training.losses import order_targets, teacher_forced_loss
 from ocr_latent.training.manifest import ROOT, curve_file, data_record, update_manifest
 from ocr_latent.training.nano import grown_nano, model_charset, new_nano, save_run
 from ocr_latent.training.recipe import code_fsq, cosine_to_tenth
-from ocr_latent.training.pages import (ORDINARY, PAGE_KINDS, PageSpec, PageStream, char_targets, load_corpus,
-                                      split_documents, test_pages, toward_ordinary)
+from ocr_latent.training.pages import (CURRICULUM_LEVELS, ORDINARY, PAGE_KINDS, SMALL, PageSpec, PageStream, char_targets,
+                                      load_corpus, split_documents, test_pages, toward_ordinary)
 
 # ----------------------------------------------------------------------------- base training
 @torch.no_grad()
@@ -170,6 +170,8 @@ class BaseTraining:
         # rendering and resizing (PIL, mostly outside the GIL) of the next batch overlap this step's compute
         self.loader = ThreadPoolExecutor(1)
         self.prefetch = {}
+        self.gated = stage == "joint" and args.pages == "nano2" and bool(args.advance_at)
+        self._level_pages = {}
 
     def load_or_start(self):
         args, out = self.args, self.out
@@ -221,13 +223,27 @@ class BaseTraining:
         if self.stage == "joint" and args.pages == "small":  # v1's first runs: few lines first
             kind = curriculum(step, args.curriculum)
         elif self.stage == "joint" and args.pages == "nano2":  # from large text (what v1 reads) to ordinary pages
-            kind = toward_ordinary(step // args.curriculum)
+            kind = toward_ordinary(self.level(step))
         else:
             kind = self.kind
         stream = PageStream(self.docs["train"], kind,
                             seed=args.seed)
         pages = [stream[step * args.batch + i] for i in range(args.batch)]
         return pages, pixels_of(pages, self.mode)
+
+    def level(self, step: int) -> int:
+        """The curriculum level this step trains on: reached by reading the level below (--advance-at),
+        or a level every --curriculum steps."""
+        return self.meta.get("level", 0) if self.args.advance_at else step // self.args.curriculum
+
+    def level_pages(self, level) -> list:
+        """Validation pages of a curriculum level (the level's own pages, not its mix) or of v1's small
+        pages: those bench/curriculum_levels.py reads."""
+        if level not in self._level_pages:
+            spec = SMALL if level == "small" else toward_ordinary(level).specs[0]
+            stream = PageStream(self.docs["val"], spec, seed=9)
+            self._level_pages[level] = [stream[i] for i in range(self.args.level_val_pages)]
+        return self._level_pages[level]
 
     def cached_batch(self, step: int):
         """A fresh permutation of the cache each epoch; with --length-groups G, pages of like length
@@ -290,12 +306,19 @@ class BaseTraining:
         self.opt.step()
         return row
 
-    def evaluate(self) -> dict:
+    def evaluate(self, step: int = 0) -> dict:
         """Validation CER (what the export reads: the bottleneck folded in, uncompressed and through its
         codes) and the order head's slot accuracy."""
         args, model, bottleneck, row = self.args, self.model, self.bottleneck, {}
         model.encoder.eval(), model.decoder.eval()
-        if self.train_decoder:
+        if self.gated:  # the level it trains on, and the small pages it should keep reading
+            level = row["level"] = self.meta.get("level", 0)
+            row["val_level_cer"] = round(evaluate(model, self.level_pages(level), self.mode, max_tokens=args.max_tokens)["cer"], 4)
+            row["val_small_cer"] = round(evaluate(model, self.level_pages("small"), self.mode, max_tokens=args.max_tokens)["cer"], 4)
+            if row["val_level_cer"] < args.advance_at and level < CURRICULUM_LEVELS:
+                self.meta["level"] = level + 1
+                self.meta.setdefault("levels_reached", []).append({"level": level + 1, "step": step})
+        if self.train_decoder and (not self.gated or self.meta.get("level", 0) >= CURRICULUM_LEVELS):
             reader = model
             if bottleneck:
                 reader = copy.deepcopy(model)
@@ -361,9 +384,9 @@ class BaseTraining:
             bar.update(1)
             bar.set_postfix({k: v for k, v in row.items() if k != "step"} | {"lr": f"{lr:.1e}"})
             if step % args.eval_every == 0 or step == args.steps:
-                row |= self.evaluate()
+                row |= self.evaluate(step)
                 tqdm.write(f"step {step}: {row}  ({time.time() - t0:.0f}s)")
-            if step % 10 == 0 or "val_cer" in row or "val_slot_acc" in row:
+            if step % 10 == 0 or any(k.startswith("val_") for k in row):
                 meta["curve"].append(row | {"stage": self.stage})
             if step % args.save_every == 0 or step == args.steps:
                 meta.update(step=step, wall_s=meta.get("wall_s", 0) + time.time() - t0, seed=args.seed, args=vars(args))
@@ -450,6 +473,9 @@ def main(argv=None, prog: str | None = None) -> None:
     b.add_argument("--patch-slots", type=int, default=2, help="characters read per 16 px patch")
     b.add_argument("--curriculum", type=int, default=300, help="joint stage: steps per curriculum level (small pages: "
                    "more lines a level; nano2: smaller text a level, pages.toward_ordinary)")
+    b.add_argument("--advance-at", type=float, default=0.0, help="joint stage, nano2: go up a curriculum level when "
+                   "the level's validation pages read under this CER (0: a level every --curriculum steps)")
+    b.add_argument("--level-val-pages", type=int, default=6, help="with --advance-at: validation pages of the level")
     b.add_argument("--eval-every", type=int, default=200)
     b.add_argument("--val-pages", type=int, default=32)
     b.add_argument("--save-every", type=int, default=50)

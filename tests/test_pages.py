@@ -128,16 +128,19 @@ def test_wide_text_still_fits():
 
 
 def test_the_curriculum_toward_ordinary_pages_shrinks_the_text_then_is_the_nano2_mix(docs):
-    """Level 0 starts where v1 reads (40-56 px text), each level's text is smaller, and the last level is
-    NANO2_PAGES itself; every page's lines fit it."""
+    """Level 0 starts where v1 reads (40-56 px text in v1's fonts, upright, evenly lit), each level's text is
+    smaller and more photo-like, and the last level is NANO2_PAGES itself; every page's lines fit it."""
     from ocr_latent.training.pages import NANO2_PAGES, toward_ordinary
-    sizes = []
-    for level in range(4):
+    sizes, specs = [], []
+    for level in range(8):
         mix = toward_ordinary(level)
         spec = mix.specs[0]
         sizes.append((spec.min_font_size, spec.max_font_size))
+        specs.append(spec)
         stream = pages.PageStream(docs, mix, seed=0)
         for page in (stream[i] for i in range(3)):
             assert page.text and all(0 <= b[1] < b[3] <= page.image.size[0] for b in page.char_boxes)
     assert sizes[0] == (40, 56) and all(a > b for a, b in zip(sizes, sizes[1:]))
-    assert toward_ordinary(4) is NANO2_PAGES and toward_ordinary(9) is NANO2_PAGES
+    assert specs[0].max_rotation == specs[0].shade_prob == 0 and specs[0].fonts == pages.SMALL.fonts
+    assert 0 < specs[7].max_rotation < pages.ORDINARY.max_rotation and specs[7].fonts == pages.ORDINARY.fonts
+    assert toward_ordinary(8) is NANO2_PAGES and toward_ordinary(19) is NANO2_PAGES

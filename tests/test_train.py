@@ -207,3 +207,22 @@ def test_a_grown_nano_reads_as_the_v1_it_grew_from_and_spells_latin1():
     scored = target != -100
     assert torch.allclose(new_logits[..., :old_logits.shape[-1]], old_logits, atol=1e-5)
     assert (old_logits.argmax(-1) == target)[scored].float().mean() > 0.8  # v1 reads the page: the test can fail
+
+
+@pytest.mark.slow  # trains
+def test_the_joint_curriculum_goes_up_a_level_only_when_the_level_reads(tmp_path):
+    """`--advance-at CER`: a level is passed when its validation pages read under that CER, not after a
+    number of steps; the level and the step it was reached are kept with the run, so a resumed run goes on
+    at its level."""
+    run = tmp_path / "joint"
+    common = ["base", "--stage", "joint", "--grow-from", str(NANO), "--pages", "nano2", "--out", str(run), "--batch", "1",
+              "--eval-every", "1", "--level-val-pages", "1", "--val-pages", "1", "--max-tokens", "8", "--threads", "2",
+              "--save-every", "1", "--order-weight", "1", "--order-slots", "4"]
+    train.main([*common, "--steps", "2", "--advance-at", "100"])  # any reading passes: a level at every evaluation
+    meta = json.loads((run / "train_meta.json").read_text())
+    assert meta["level"] == 2 and meta["levels_reached"] == [{"level": 1, "step": 1}, {"level": 2, "step": 2}]
+    assert [row["level"] for row in meta["curve"] if "level" in row] == [0, 1]
+    assert all(0 <= row["val_small_cer"] and 0 <= row["val_level_cer"] for row in meta["curve"] if "level" in row)
+    train.main([*common, "--steps", "3", "--advance-at", "1e-9"])  # no reading passes: it stays where it was
+    meta = json.loads((run / "train_meta.json").read_text())
+    assert meta["step"] == 3 and meta["level"] == 2 and meta["curve"][-1]["level"] == 2

@@ -163,21 +163,32 @@ class PageMix:
 
 # What nano v2 trains on: mostly ordinary pages, and today's small pages so that it keeps reading them.
 NANO2_PAGES = PageMix((ORDINARY, SMALL_LATIN1), (0.85, 0.15))
-PAGE_KINDS = {"small": SMALL, "ordinary": ORDINARY, "nano2": NANO2_PAGES}  # by the name a command line gives
 
 
-def toward_ordinary(level: int, levels: int = 4) -> PageMix:
-    """A curriculum from what nano v1 reads to NANO2_PAGES (reached at `levels`): ordinary pages whose text
-    starts at 40-56 px (v1's 512 px pages at 22-30 px are 44-60 px in the view) and shrinks a step a level,
-    with fewer and shorter lines where large text would not fit, beside today's small pages."""
+CURRICULUM_LEVELS = 8  # toward_ordinary's levels before NANO2_PAGES
+
+
+def toward_ordinary(level: int, levels: int = CURRICULUM_LEVELS) -> PageMix:
+    """A curriculum from what nano v1 reads to NANO2_PAGES (reached at `levels`). Level 0 is ordinary pages
+    in v1's fonts at v1's glyph size (its 512 px pages at 22-30 px are 44-60 px in the view: here 40-56 px),
+    upright and evenly lit; each level shrinks the text a step and brings in more of the photo-like:
+    rotation and shading grow with the level, condensed faces join halfway. Fewer and shorter lines where
+    large text would not fit. Today's small pages are 30 % of every level: the model keeps what it reads."""
     if level >= levels:
         return NANO2_PAGES
     t = level / levels
-    low, high = round(40 - t * (40 - 18)), round(56 - t * (56 - 40))
+    low, high = round(40 - t * (40 - ORDINARY.min_font_size)), round(56 - t * (56 - ORDINARY.max_font_size))
     chars = min(ORDINARY.max_chars_per_line, 1700 // high)  # a line of DejaVu is about 0.55 em a character
     spec = replace(ORDINARY, min_font_size=low, max_font_size=high, min_chars_per_line=min(20, chars),
-                   max_chars_per_line=chars, min_lines=4, max_lines=min(ORDINARY.max_lines, 900 // (high * 4 // 3)))
-    return PageMix((spec, SMALL_LATIN1), NANO2_PAGES.weights)
+                   max_chars_per_line=chars, min_lines=4, max_lines=min(ORDINARY.max_lines, 900 // (high * 4 // 3)),
+                   fonts=ORDINARY.fonts if t >= 0.5 else SMALL.fonts, max_rotation=t * ORDINARY.max_rotation,
+                   shade_prob=t * ORDINARY.shade_prob)
+    return PageMix((spec, SMALL_LATIN1), (0.7, 0.3))
+
+
+# by the name a command line gives; levelK: the curriculum's level K (its mix, small pages included)
+PAGE_KINDS = {"small": SMALL, "ordinary": ORDINARY, "nano2": NANO2_PAGES,
+              **{f"level{k}": toward_ordinary(k) for k in range(CURRICULUM_LEVELS)}}
 
 
 @dataclass
