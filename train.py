@@ -135,8 +135,10 @@ class BaseTraining:
         head = lambda n: (torch.nn.Sequential(torch.nn.Linear(D, args.head_hidden), torch.nn.GELU(), torch.nn.Linear(args.head_hidden, n))
                           if args.head_hidden else torch.nn.Linear(D, n))
         self.aux_head, self.order_head = head(len(self.charset)), head(args.order_slots * (len(self.charset) + 1))
+        # a new run's heads may start from those another run trained (a decoder stage's run has untrained ones)
+        heads = load_file(str(Path(args.heads_from) / "train_state.safetensors")) if args.heads_from and not state else {}
         for name, module in (("aux", self.aux_head), ("order", self.order_head)):
-            if own := prefixed(state, name):
+            if own := prefixed(state, name) or prefixed(heads, name):
                 module.load_state_dict(own)
         self.use_order = bool(args.order_weight) and self.train_encoder
         # patch-level reading: the characters of each 16 px patch in reading order, read off SAM's neck (64x64
@@ -485,6 +487,8 @@ def main(argv=None, prog: str | None = None) -> None:
                    "the projector (a base whose features fit the codes)")
     b.add_argument("--bottleneck-rounded", type=float, default=0.5, help="share of samples read through the rounded codes")
     b.add_argument("--levels", type=int, default=16)
+    b.add_argument("--heads-from", help="a new run: start the dense-loss heads from this run's (same --head-hidden, "
+                   "--order-slots and tokenizer)")
     b.add_argument("--head-hidden", type=int, default=0, help="encoder stage: hidden width of the dense-loss heads (0: linear)")
     b.add_argument("--pages", choices=sorted(PAGE_KINDS), default="small", help="page kind trained and validated on "
                    "(pages.py: small = nano v1's 512 px pages; nano2 = ordinary pages with some small ones)")

@@ -226,3 +226,10 @@ def test_the_joint_curriculum_goes_up_a_level_only_when_the_level_reads(tmp_path
     train.main([*common, "--steps", "3", "--advance-at", "1e-9"])  # no reading passes: it stays where it was
     meta = json.loads((run / "train_meta.json").read_text())
     assert meta["step"] == 3 and meta["level"] == 2 and meta["curve"][-1]["level"] == 2
+    # a new run from it (--init) starts its dense-loss heads from the run's trained ones (--heads-from)
+    fresh = tmp_path / "fresh"
+    flags = ["base", "--stage", "joint", "--init", str(run), "--pages", "nano2", "--out", str(fresh), *common[9:],
+             "--steps", "1", "--lr", "0"]
+    train.main([*flags, "--heads-from", str(run)])
+    heads = lambda path: {k: v for k, v in load_file(str(path / "train_state.safetensors")).items() if k.startswith(("aux.", "order."))}
+    assert heads(fresh).keys() == heads(run).keys() and all(torch.equal(v, heads(run)[k]) for k, v in heads(fresh).items())
