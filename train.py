@@ -329,24 +329,26 @@ class BaseTraining:
             if bottleneck:
                 row["val_cer_codes"] = round(evaluate(reader, self.val_pages, self.mode, quantizer=bottleneck,
                                                       max_tokens=args.max_tokens)["cer"], 4)
+        # on a gated curriculum the towers are measured on the level's pages: those they are learning
+        pages = self.level_pages(self.meta.get("level", 0)) if self.gated else self.val_pages
         if self.use_order or self.use_patch:  # the validation pages through the towers once, for both heads
             with torch.no_grad():
-                feats = model.encoder.encode_images([p.image for p in self.val_pages], self.mode)  # and self.neck
+                feats = model.encoder.encode_images([p.image for p in pages], self.mode)  # and self.neck
         if self.use_order:
-            row["val_slot_acc"] = round(slot_accuracy(feats, self.order_head, self.val_pages, self.grid,
+            row["val_slot_acc"] = round(slot_accuracy(feats, self.order_head, pages, self.grid,
                                                       args.order_slots, self.charset, bottleneck), 4)
         if self.use_patch:
-            row["val_patch_acc"] = round(self.patch_accuracy(self.neck), 4)
+            row["val_patch_acc"] = round(self.patch_accuracy(self.neck, pages), 4)
         model.encoder.train(self.train_encoder), model.decoder.train(self.train_decoder)
         return row
 
     @torch.no_grad()
-    def patch_accuracy(self, neck: torch.Tensor) -> float:
-        """Share of the validation pages' occupied patch slots the patch head reads right from SAM's neck."""
+    def patch_accuracy(self, neck: torch.Tensor, pages: list) -> float:
+        """Share of the pages' occupied patch slots the patch head reads right from SAM's neck (of those pages)."""
         pred = self.patch_head(neck.flatten(2).transpose(1, 2))
-        pred = pred.reshape(len(self.val_pages), -1, self.args.patch_slots, len(self.charset) + 1).argmax(-1)
+        pred = pred.reshape(len(pages), -1, self.args.patch_slots, len(self.charset) + 1).argmax(-1)
         target = torch.from_numpy(np.stack([order_targets(p, 4 * self.grid, self.args.patch_slots, self.charset)
-                                            for p in self.val_pages]))
+                                            for p in pages]))
         occupied = target != len(self.charset)
         right, total = int((pred == target)[occupied].sum()), int(occupied.sum())
         return right / max(1, total)
