@@ -3,6 +3,7 @@ level of nano v3's curriculum (`pages.toward_ordinary`: 0 is 40-56 px text on or
 mix's ordinary pages) and of nano v1's small pages (`small`): where a curriculum run stands.
 
     python bench/curriculum_levels.py runs/v3-joint --levels small,0,1,2,3,4 --pages 6
+    python bench/curriculum_levels.py runs/v3-joint4 --levels 0 --pages 16 --seed 21 --split-at 48   # by glyph size
 """
 from __future__ import annotations
 
@@ -24,15 +25,25 @@ def main(argv=None) -> None:
     ap.add_argument("--pages", type=int, default=6, help="validation-split pages a level")
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=9, help="page stream of the validation split (9: the pages train.py's "
+                    "--advance-at gate reads)")
+    ap.add_argument("--split-at", type=int, default=0, help="also the CER of pages under this font size (px) and of "
+                    "the rest")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, docs, out = load_model(args.model), split_documents(load_corpus())["val"], {}
     for level in args.levels.split(","):
         spec = SMALL if level == "small" else toward_ordinary(int(level)).specs[0]  # the level's own pages, not its mix
-        pages = [PageStream(docs, spec, seed=9)[i] for i in range(args.pages)]
-        cer = evaluate(model, pages, "base", max_tokens=args.max_tokens)["cer"]
-        out[level] = {"cer": round(cer, 3), "chars": sum(len(p.text) for p in pages)}
-        print(f"level {level:>5}: CER {cer:.3f} over {args.pages} pages ({out[level]['chars']} characters)", flush=True)
+        pages = [PageStream(docs, spec, seed=args.seed)[i] for i in range(args.pages)]
+        read = evaluate(model, pages, "base", max_tokens=args.max_tokens)
+        out[level] = {"cer": round(read["cer"], 3), "chars": sum(len(p.text) for p in pages)}
+        print(f"level {level:>5}: CER {read['cer']:.3f} over {args.pages} pages ({out[level]['chars']} characters)", flush=True)
+        if args.split_at:
+            for name, keep in ((f"under {args.split_at} px", lambda size: size < args.split_at),
+                               (f"{args.split_at} px and over", lambda size: size >= args.split_at)):
+                cers = [c for c, p in zip(read["cers"], pages) if keep(p.font_size)]
+                out[level][name] = {"pages": len(cers), "cer": round(sum(cers) / len(cers), 3) if cers else None}
+                print(f"    {name}: {out[level][name]}", flush=True)
     print(json.dumps({"model": args.model, "pages_per_level": args.pages, "levels": out}))
 
 

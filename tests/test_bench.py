@@ -56,7 +56,10 @@ def test_the_curriculum_levels_bench_reads_the_small_pages_and_not_level_0():
     the 40-56 px ordinary pages of the curriculum's level 0 not (its layout is new to v1): the figures
     docs/training.md gives for the v3 run's start."""
     out = subprocess.run([sys.executable, "bench/curriculum_levels.py", "--levels", "small,0", "--pages", "2",
-                          "--max-tokens", "256"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          "--max-tokens", "256", "--split-at", "48"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     levels = json.loads(out.stdout.strip().splitlines()[-1])["levels"]
     assert levels["small"]["cer"] < 0.5 < levels["0"]["cer"] and levels["0"]["chars"] > levels["small"]["chars"]
+    # by glyph size: v1's small pages (22-30 px) are all under 48 px; every page is in one band
+    assert levels["small"]["under 48 px"] == {"pages": 2, "cer": levels["small"]["cer"]}
+    assert levels["0"]["under 48 px"]["pages"] + levels["0"]["48 px and over"]["pages"] == 2
