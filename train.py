@@ -34,8 +34,8 @@ from ocr_latent.training.losses import order_targets, teacher_forced_loss
 from ocr_latent.training.manifest import ROOT, curve_file, data_record, update_manifest
 from ocr_latent.training.nano import grown_nano, model_charset, new_nano, save_run
 from ocr_latent.training.recipe import code_fsq, cosine_to_tenth
-from ocr_latent.training.pages import (CURRICULUM_LEVELS, ORDINARY, PAGE_KINDS, SMALL, PageSpec, PageStream, char_targets,
-                                      load_corpus, split_documents, test_pages, toward_ordinary)
+from ocr_latent.training.pages import (CURRICULUM_LEVELS, ORDINARY, PAGE_KINDS, PageSpec, PageStream, char_targets,
+                                      level_pages, load_corpus, split_documents, test_pages, toward_ordinary)
 
 # ----------------------------------------------------------------------------- base training
 @torch.no_grad()
@@ -239,12 +239,9 @@ class BaseTraining:
         return self.meta.get("level", 0) if self.args.advance_at else step // self.args.curriculum
 
     def level_pages(self, level) -> list:
-        """Validation pages of a curriculum level (the level's own pages, not its mix) or of v1's small
-        pages: those bench/curriculum_levels.py reads."""
+        """Validation pages of a curriculum level or of v1's small pages (pages.level_pages), made once."""
         if level not in self._level_pages:
-            spec = SMALL if level == "small" else toward_ordinary(level).specs[0]
-            stream = PageStream(self.docs["val"], spec, seed=9)
-            self._level_pages[level] = [stream[i] for i in range(self.args.level_val_pages)]
+            self._level_pages[level] = level_pages(self.docs["val"], level, self.args.level_val_pages)
         return self._level_pages[level]
 
     def cached_batch(self, step: int):
@@ -313,14 +310,15 @@ class BaseTraining:
         codes) and the order head's slot accuracy."""
         args, model, bottleneck, row = self.args, self.model, self.bottleneck, {}
         model.encoder.eval(), model.decoder.eval()
+        level = self.meta.get("level", 0)  # the level trained on so far (a gated curriculum's)
         if self.gated:  # the level it trains on, and the small pages it should keep reading
-            level = row["level"] = self.meta.get("level", 0)
+            row["level"] = level
             row["val_level_cer"] = round(evaluate(model, self.level_pages(level), self.mode, max_tokens=args.max_tokens)["cer"], 4)
             row["val_small_cer"] = round(evaluate(model, self.level_pages("small"), self.mode, max_tokens=args.max_tokens)["cer"], 4)
             if row["val_level_cer"] < args.advance_at and level < CURRICULUM_LEVELS:
                 self.meta["level"] = level + 1
                 self.meta.setdefault("levels_reached", []).append({"level": level + 1, "step": step})
-        if self.train_decoder and (not self.gated or self.meta.get("level", 0) >= CURRICULUM_LEVELS):
+        if self.train_decoder and (not self.gated or level >= CURRICULUM_LEVELS):
             reader = model
             if bottleneck:
                 reader = copy.deepcopy(model)
@@ -330,7 +328,7 @@ class BaseTraining:
                 row["val_cer_codes"] = round(evaluate(reader, self.val_pages, self.mode, quantizer=bottleneck,
                                                       max_tokens=args.max_tokens)["cer"], 4)
         # on a gated curriculum the towers are measured on the level's pages: those they are learning
-        pages = self.level_pages(self.meta.get("level", 0)) if self.gated else self.val_pages
+        pages = self.level_pages(level) if self.gated else self.val_pages
         if self.use_order or self.use_patch:  # the validation pages through the towers once, for both heads
             with torch.no_grad():
                 feats = model.encoder.encode_images([p.image for p in pages], self.mode)  # and self.neck

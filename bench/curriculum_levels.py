@@ -15,7 +15,7 @@ import torch
 from ocr_latent.checkpoint import load_model
 from ocr_latent.training.evaluation import evaluate
 from ocr_latent.training.manifest import ROOT
-from ocr_latent.training.pages import SMALL, PageStream, load_corpus, split_documents, toward_ordinary
+from ocr_latent.training.pages import level_pages, load_corpus, split_documents
 
 
 def main(argv=None) -> None:
@@ -33,8 +33,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     model, docs, out = load_model(args.model), split_documents(load_corpus())["val"], {}
     for level in args.levels.split(","):
-        spec = SMALL if level == "small" else toward_ordinary(int(level)).specs[0]  # the level's own pages, not its mix
-        pages = [PageStream(docs, spec, seed=args.seed)[i] for i in range(args.pages)]
+        pages = level_pages(docs, level, args.pages, args.seed)
         read = evaluate(model, pages, "base", max_tokens=args.max_tokens)
         out[level] = {"cer": round(read["cer"], 3), "chars": sum(len(p.text) for p in pages)}
         print(f"level {level:>5}: CER {read['cer']:.3f} over {args.pages} pages ({out[level]['chars']} characters)", flush=True)

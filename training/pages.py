@@ -186,6 +186,15 @@ def toward_ordinary(level: int, levels: int = CURRICULUM_LEVELS) -> PageMix:
     return PageMix((spec, SMALL_LATIN1), (0.7, 0.3))
 
 
+def level_pages(docs: list[Document], level: int | str, count: int, seed: int = 9) -> list[Page]:
+    """The first `count` pages of stream `seed` of a curriculum level's own kind (not its mix: no small pages),
+    or of v1's small pages for level "small": what train.py's --advance-at gate and bench/curriculum_levels.py
+    read (seed 9)."""
+    spec = SMALL if level == "small" else toward_ordinary(int(level)).specs[0]
+    stream = PageStream(docs, spec, seed=seed)
+    return [stream[i] for i in range(count)]
+
+
 # by the name a command line gives; levelK: the curriculum's level K (its mix, small pages included)
 PAGE_KINDS = {"small": SMALL, "ordinary": ORDINARY, "nano2": NANO2_PAGES,
               **{f"level{k}": toward_ordinary(k) for k in range(CURRICULUM_LEVELS)}}
