@@ -32,7 +32,7 @@ from ocr_latent.checkpoint import OCRModel, file_sha256, load_model
 from ocr_latent.training.evaluation import evaluate, pixels_of, slot_accuracy
 from ocr_latent.training.losses import order_targets, teacher_forced_loss
 from ocr_latent.training.manifest import ROOT, curve_file, data_record, update_manifest
-from ocr_latent.training.nano import grown_nano, model_charset, new_nano, save_run
+from ocr_latent.training.nano import grown_nano, model_charset, new_nano, save_run, split_inputs, widened_nano
 from ocr_latent.training.recipe import code_fsq, cosine_to_tenth
 from ocr_latent.training.pages import (CURRICULUM_LEVELS, ORDINARY, PAGE_KINDS, PageSpec, PageStream, char_targets,
                                       level_pages, load_corpus, split_documents, test_pages, toward_ordinary)
@@ -136,7 +136,8 @@ class BaseTraining:
                           if args.head_hidden else torch.nn.Linear(D, n))
         self.aux_head, self.order_head = head(len(self.charset)), head(args.order_slots * (len(self.charset) + 1))
         # a new run's heads may start from those another run trained (a decoder stage's run has untrained ones)
-        heads = load_file(str(Path(args.heads_from) / "train_state.safetensors")) if args.heads_from and not state else {}
+        heads_from = args.heads_from or args.widen_from
+        heads = load_file(str(Path(heads_from) / "train_state.safetensors")) if heads_from and not state else {}
         for name, module in (("aux", self.aux_head), ("order", self.order_head)):
             if own := prefixed(state, name) or prefixed(heads, name):
                 module.load_state_dict(own)
@@ -149,8 +150,10 @@ class BaseTraining:
         patch_outputs = args.patch_slots * (len(self.charset) + 1)
         self.patch_head = torch.nn.Linear(model.encoder.cfg.sam_neck_channels, patch_outputs) if self.use_patch else None
         if self.use_patch:
-            own = prefixed(state, "patch")
-            if own and own["weight"].shape[0] == patch_outputs:
+            own = prefixed(state, "patch") or prefixed(heads, "patch")
+            if own and args.widen_from and not state:  # it reads the widened neck's copies
+                own["weight"] = split_inputs(own["weight"], torch.Generator().manual_seed(args.seed))
+            if own and own["weight"].shape == self.patch_head.weight.shape:
                 self.patch_head.load_state_dict(own)
             model.encoder.sam_model.neck.register_forward_hook(lambda module, inputs, out: setattr(self, "neck", out))
         self.mode, self.grid = model.config["ocr_latent"]["mode"], model.encoder.cfg.sam_image_size // 64
@@ -185,6 +188,8 @@ class BaseTraining:
             return load_model(args.init), {}, {"step": 0, "curve": [], "init": args.init}
         if args.grow_from:
             return grown_nano(load_model(args.grow_from), args.seed), {}, {"step": 0, "curve": [], "grown_from": args.grow_from}
+        if args.widen_from:
+            return widened_nano(load_model(args.widen_from), args.seed), {}, {"step": 0, "curve": [], "widened_from": args.widen_from}
         model, meta = new_nano(args.seed, args.nano_version), {"step": 0, "curve": []}
         calib = PageStream(self.docs["train"], self.kind, seed=args.seed + 1)
         scale = calibrate_projector(model, [calib[i] for i in range(32)], model.config["ocr_latent"]["mode"])
@@ -494,6 +499,8 @@ def main(argv=None, prog: str | None = None) -> None:
                    "(pages.py: small = nano v1's 512 px pages; nano2 = ordinary pages with some small ones)")
     b.add_argument("--nano-version", type=int, choices=[1, 2], default=1, help="sizes of a model started from scratch (nano.py)")
     b.add_argument("--grow-from", help="start from nano v3 grown from this trained v1 model directory (nano.grown_nano)")
+    b.add_argument("--widen-from", help="start from nano v4: this trained v3 run with its SAM twice as wide, reading as "
+                   "it did (nano.widened_nano); its dense-loss heads come along")
     b.add_argument("--max-tokens", type=int, default=256, help="longest validation reading")
     b.add_argument("--bf16", action="store_true", help="bf16 autocast (CPUs with avx512_bf16/AMX)")
     b.add_argument("--threads", type=int, default=1)

@@ -209,6 +209,34 @@ def test_a_grown_nano_reads_as_the_v1_it_grew_from_and_spells_latin1():
     assert (old_logits.argmax(-1) == target)[scored].float().mean() > 0.8  # v1 reads the page: the test can fail
 
 
+def test_a_widened_nano_computes_what_it_was_widened_from_with_copies_free_to_learn_apart():
+    """nano v4 doubles SAM's channels of a trained v3 (glyphs of ordinary text are one or two patches):
+    it starts reading exactly as the v3 did, a patch head split over the neck's copies reads the same,
+    and the copies are read with different weights, so training can make them differ."""
+    from ocr_latent.training.nano import grown_nano, split_inputs, widened_nano
+    from ocr_latent.training.pages import test_pages
+    v3 = grown_nano(load_model(NANO), seed=0)
+    v4 = widened_nano(v3, seed=1)
+    assert v4.encoder.cfg.sam_width == 2 * v3.encoder.cfg.sam_width
+    assert v4.encoder.cfg.sam_neck_channels == 2 * v3.encoder.cfg.sam_neck_channels
+    page = test_pages(1, seed=2)[0]
+    necks = []
+    for m in (v3, v4):
+        m.encoder.sam_model.neck.register_forward_hook(lambda module, inputs, out: necks.append(out))
+    old, new = (m.encoder.encode_images([page.image], "base") for m in (v3, v4))
+    assert old.abs().max() > 1 and torch.allclose(new, old, atol=1e-3 * old.abs().max())
+    head = torch.nn.Linear(necks[0].shape[1], 10)
+    wide_head = torch.nn.Linear(necks[1].shape[1], 10)
+    wide_head.load_state_dict({"weight": split_inputs(head.weight.detach(), torch.Generator().manual_seed(0)),
+                               "bias": head.bias.detach()})
+    with torch.no_grad():
+        read = [h(n.flatten(2).transpose(1, 2)) for h, n in ((head, necks[0]), (wide_head, necks[1]))]
+    assert torch.allclose(read[1], read[0], atol=1e-4)
+    qkv = v4.encoder.sam_model.blocks[0].attn.qkv.weight
+    half = qkv.shape[1] // 2
+    assert not torch.allclose(qkv[:, :half], qkv[:, half:])  # the copies' readers differ
+
+
 @pytest.mark.slow  # trains
 def test_the_joint_curriculum_goes_up_a_level_only_when_the_level_reads(tmp_path):
     """`--advance-at CER`: a level is passed when its validation pages read under that CER, not after a

@@ -43,9 +43,11 @@ def nano_config(vocab_size: int, version: int = 1) -> dict:
         language.update(num_hidden_layers=4, intermediate_size=768, moe_intermediate_size=192)
         sam = {**sam, "downsample_channels": [256, 384], "heads": 4, "layers": 4, "width": 128, "neck_channels": 64}
         clip = {**clip, "heads": 6, "width": 384}
-    if version == 3:  # v1's widths, twice its SAM blocks and one more decoder layer: grown from a trained v1
+    if version in (3, 4):  # v1's widths, twice its SAM blocks and one more decoder layer: grown from a trained v1
         language.update(num_hidden_layers=4)
         sam = {**sam, "layers": 4}
+    if version == 4:  # v3 with SAM twice as wide up to its last conv: widened from a trained v3
+        sam = {**sam, "downsample_channels": [256, 256], "heads": 4, "width": 128, "neck_channels": 64}
     return {
         "_name_or_path": "ocr-latent/nano" if version == 1 else f"ocr-latent/nano-v{version}", "architectures": ["DeepseekOCRForCausalLM"],
         "candidate_resolutions": [[1024, 1024]], "global_view_pos": "head", "model_type": "deepseek_vl_v2",
@@ -130,6 +132,60 @@ def grown_nano(v1: OCRModel, seed: int) -> OCRModel:
             target.copy_(value)
     grown.config["ocr_latent"] = dict(v1.config.get("ocr_latent", {}))
     return grown
+
+
+def split_inputs(weight: torch.Tensor, gen: torch.Generator, dim: int = 1) -> torch.Tensor:
+    """A layer reading channels that were duplicated ([x, x]): each weight is split between the two copies
+    at a random share, so the layer computes the same function while the copies, read with different
+    weights, get different gradients and learn apart (Net2WiderNet's symmetry breaking, without its noise)."""
+    share = 0.25 + 0.5 * torch.rand(weight.shape, generator=gen)
+    return torch.cat([weight * share, weight * (1 - share)], dim)
+
+
+def duplicate_outputs(tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """A layer writing duplicated channels: its rows twice, so that every copy carries the same value
+    (a LayerNorm over [x, x] gives [LN(x), LN(x)])."""
+    return torch.cat([tensor, tensor], dim)
+
+
+@torch.no_grad()
+def widened_nano(v3: OCRModel, seed: int) -> OCRModel:
+    """Nano v4: a trained v3 with its SAM twice as wide (width, heads, neck and first downsampling conv),
+    computing the same function: every widened channel starts as two copies of the old one. Glyphs of
+    ordinary text are one or two 16 px patches, which v3's 64-wide patches and 32-channel neck carry
+    poorly (its text under 48 px in the view reads twice as badly as larger text). Its last conv writes
+    v3's channels, so CLIP, the projector and the decoder are v3's own."""
+    gen = torch.Generator().manual_seed(seed)
+    wide = new_nano(seed, version=4)
+    old, new = v3.encoder.sam_model.state_dict(), {}
+    qkv = lambda t: torch.cat([duplicate_outputs(part) for part in t.chunk(3)])  # q, k, v: their heads twice
+    for name, value in old.items():
+        if name in ("patch_embed.proj.weight", "patch_embed.proj.bias") or name.endswith(("norm1.weight", "norm1.bias",
+                                                                                           "norm2.weight", "norm2.bias")):
+            new[name] = duplicate_outputs(value)
+        elif name == "pos_embed":
+            new[name] = duplicate_outputs(value, -1)
+        elif name.endswith("rel_pos_h") or name.endswith("rel_pos_w"):  # per head dimension: unchanged
+            new[name] = value
+        elif name.endswith("attn.qkv.weight"):
+            new[name] = qkv(split_inputs(value, gen))
+        elif name.endswith("attn.qkv.bias"):
+            new[name] = qkv(value)
+        elif name.endswith(("attn.proj.weight", "mlp.lin1.weight", "mlp.lin2.weight")) or name in ("neck.0.weight", "neck.2.weight", "net_2.weight"):
+            new[name] = duplicate_outputs(split_inputs(value, gen))
+        elif name.endswith(("attn.proj.bias", "mlp.lin1.bias", "mlp.lin2.bias")) or name in ("neck.1.weight", "neck.1.bias",
+                                                                                             "neck.3.weight", "neck.3.bias"):
+            new[name] = duplicate_outputs(value)
+        elif name == "net_3.weight":
+            new[name] = split_inputs(value, gen)
+        else:
+            raise KeyError(f"widened_nano does not know how to widen {name}")
+    wide.encoder.sam_model.load_state_dict(new)
+    wide.encoder.vision_model.load_state_dict(v3.encoder.vision_model.state_dict())
+    wide.encoder.projector.load_state_dict(v3.encoder.projector.state_dict())
+    wide.decoder.load_state_dict(v3.decoder.state_dict())
+    wide.config["ocr_latent"] = dict(v3.config.get("ocr_latent", {}))
+    return wide
 
 
 def save_run(model: OCRModel, out: Path, extra: dict[str, torch.Tensor] | None = None) -> None:
