@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from ocr_latent import train
 from ocr_latent.checkpoint import CheckpointError, load_model
 from conftest import ROOT
-from ocr_latent.training.pages import PageSpec, PageStream, load_corpus, split_documents, test_pages
+from ocr_latent.training.pages import PageSpec, PageStream, level_pages, load_corpus, split_documents, test_pages
 from ocr_latent.serving.pipeline import load_pipeline, load_quantizer
 from ocr_latent.quantizer import FSQ
 
@@ -98,7 +98,7 @@ def test_manifest_records_every_source_with_hash_and_split():
 
 
 @pytest.mark.slow  # trains
-def test_staged_base_training_trains_only_its_part_and_resumes(tmp_path):
+def test_staged_base_training_trains_only_its_part_and_resumes(tmp_path, capsys):
     """`base --stage encoder` moves the towers and projector only; `--stage decoder` (cached features)
     moves the decoder only; a second call with more steps resumes where the first stopped."""
     def params(model):
@@ -123,6 +123,24 @@ def test_staged_base_training_trains_only_its_part_and_resumes(tmp_path):
                 "--patch-weight", "1", *common])
     meta = json.loads((enc_run / "train_meta.json").read_text())
     assert meta["step"] == 3 and 0.0 <= meta["curve"][-1]["val_patch_acc"] <= 1.0 and meta["curve"][-1]["patch_loss"] > 0
+
+    # the towers' reading by glyph size (bench/tower_accuracy.py) with the run's heads: every character of
+    # the pages is one occupied slot of each head, so both heads count the same slots
+    from bench.tower_accuracy import main as tower_accuracy
+    tower_accuracy([str(enc_run), "--level", "small", "--pages", "2", "--split-at", "60"])
+    accuracy = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["accuracy"]
+    pages = level_pages(split_documents(load_corpus())["val"], "small", 2, 21)
+    assert accuracy["patch, under 60 px"]["slots"] == accuracy["token, under 60 px"]["slots"] == sum(
+        1 for p in pages for box in p.char_boxes if box[0] != " ")
+    assert all(0 <= row["accuracy"] <= 1 for row in accuracy.values())
+
+    # a widened run (--widen-from) starts from the run's towers at twice SAM's width, with its heads
+    wide_run = tmp_path / "wide"
+    train.main(["base", "--stage", "encoder", "--widen-from", str(enc_run), "--out", str(wide_run), "--steps", "1",
+                "--order-weight", "1", "--patch-weight", "1", *common])
+    wide = load_model(wide_run)
+    assert wide.encoder.cfg.sam_neck_channels == 2 * load_model(enc_run).encoder.cfg.sam_neck_channels
+    assert json.loads((wide_run / "train_meta.json").read_text())["widened_from"] == str(enc_run)
 
     train.main(["base", "--stage", "decoder", "--init", str(enc_run), "--out", str(dec_run), "--steps", "2",
                 "--cache-pages", "4", "--token-dropout", "0.1", *common])
@@ -210,12 +228,13 @@ def test_a_grown_nano_reads_as_the_v1_it_grew_from_and_spells_latin1():
 
 
 def test_a_widened_nano_computes_what_it_was_widened_from_with_copies_free_to_learn_apart():
-    """nano v4 doubles SAM's channels of a trained v3 (glyphs of ordinary text are one or two patches):
-    it starts reading exactly as the v3 did, a patch head split over the neck's copies reads the same,
-    and the copies are read with different weights, so training can make them differ."""
-    from ocr_latent.training.nano import grown_nano, split_inputs, widened_nano
+    """A widened nano (v4 is v3 widened) doubles SAM's channels of a trained model (glyphs of ordinary
+    text are one or two patches): it starts reading exactly as the narrow one did, a patch head split over
+    the neck's copies reads the same, and the copies are read with different weights, so training can
+    make them differ."""
+    from ocr_latent.training.nano import split_inputs, widened_nano
     from ocr_latent.training.pages import test_pages
-    v3 = grown_nano(load_model(NANO), seed=0)
+    v3 = load_model(NANO)
     v4 = widened_nano(v3, seed=1)
     assert v4.encoder.cfg.sam_width == 2 * v3.encoder.cfg.sam_width
     assert v4.encoder.cfg.sam_neck_channels == 2 * v3.encoder.cfg.sam_neck_channels
@@ -232,6 +251,7 @@ def test_a_widened_nano_computes_what_it_was_widened_from_with_copies_free_to_le
     with torch.no_grad():
         read = [h(n.flatten(2).transpose(1, 2)) for h, n in ((head, necks[0]), (wide_head, necks[1]))]
     assert torch.allclose(read[1], read[0], atol=1e-4)
+    assert not torch.allclose(read[0], torch.zeros_like(read[0]), atol=1e-2)
     qkv = v4.encoder.sam_model.blocks[0].attn.qkv.weight
     half = qkv.shape[1] // 2
     assert not torch.allclose(qkv[:, :half], qkv[:, half:])  # the copies' readers differ

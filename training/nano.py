@@ -3,6 +3,7 @@ projector -> MoE decoder) with a character-level tokenizer, reading the rendered
 Its files are the original checkpoint layout (checkpoint.save_model) plus its tokenizer."""
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -43,11 +44,9 @@ def nano_config(vocab_size: int, version: int = 1) -> dict:
         language.update(num_hidden_layers=4, intermediate_size=768, moe_intermediate_size=192)
         sam = {**sam, "downsample_channels": [256, 384], "heads": 4, "layers": 4, "width": 128, "neck_channels": 64}
         clip = {**clip, "heads": 6, "width": 384}
-    if version in (3, 4):  # v1's widths, twice its SAM blocks and one more decoder layer: grown from a trained v1
+    if version == 3:  # v1's widths, twice its SAM blocks and one more decoder layer: grown from a trained v1
         language.update(num_hidden_layers=4)
         sam = {**sam, "layers": 4}
-    if version == 4:  # v3 with SAM twice as wide up to its last conv: widened from a trained v3
-        sam = {**sam, "downsample_channels": [256, 256], "heads": 4, "width": 128, "neck_channels": 64}
     return {
         "_name_or_path": "ocr-latent/nano" if version == 1 else f"ocr-latent/nano-v{version}", "architectures": ["DeepseekOCRForCausalLM"],
         "candidate_resolutions": [[1024, 1024]], "global_view_pos": "head", "model_type": "deepseek_vl_v2",
@@ -149,15 +148,22 @@ def duplicate_outputs(tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
 
 
 @torch.no_grad()
-def widened_nano(v3: OCRModel, seed: int) -> OCRModel:
-    """Nano v4: a trained v3 with its SAM twice as wide (width, heads, neck and first downsampling conv),
-    computing the same function: every widened channel starts as two copies of the old one. Glyphs of
-    ordinary text are one or two 16 px patches, which v3's 64-wide patches and 32-channel neck carry
-    poorly (its text under 48 px in the view reads twice as badly as larger text). Its last conv writes
-    v3's channels, so CLIP, the projector and the decoder are v3's own."""
+def widened_nano(narrow: OCRModel, seed: int) -> OCRModel:
+    """A trained nano with its SAM twice as wide (width, heads, neck and first downsampling conv; nano v4
+    is v3 widened), computing the same function: every widened channel starts as two copies of the old
+    one. Glyphs of ordinary text are one or two 16 px patches, which v3's 64-wide patches and 32-channel
+    neck carry poorly. The last conv writes the old channels, so CLIP, the projector and the decoder are
+    the narrow model's own."""
     gen = torch.Generator().manual_seed(seed)
-    wide = new_nano(seed, version=4)
-    old, new = v3.encoder.sam_model.state_dict(), {}
+    cfg = copy.deepcopy(narrow.config)
+    sam = cfg["vision_config"]["width"]["sam_vit_b"]
+    c2, c3 = sam["downsample_channels"]
+    sam.update(width=2 * sam["width"], heads=2 * sam["heads"], neck_channels=2 * sam.get("neck_channels", 256),
+               downsample_channels=[2 * c2, c3])
+    name = cfg.get("_name_or_path", "nano")
+    cfg["_name_or_path"] = "ocr-latent/nano-v4" if name == "ocr-latent/nano-v3" else f"{name}-wide"
+    encoder, decoder = build_modules(cfg, "cpu")
+    old, new = narrow.encoder.sam_model.state_dict(), {}
     qkv = lambda t: torch.cat([duplicate_outputs(part) for part in t.chunk(3)])  # q, k, v: their heads twice
     for name, value in old.items():
         if name in ("patch_embed.proj.weight", "patch_embed.proj.bias") or name.endswith(("norm1.weight", "norm1.bias",
@@ -180,12 +186,11 @@ def widened_nano(v3: OCRModel, seed: int) -> OCRModel:
             new[name] = split_inputs(value, gen)
         else:
             raise KeyError(f"widened_nano does not know how to widen {name}")
-    wide.encoder.sam_model.load_state_dict(new)
-    wide.encoder.vision_model.load_state_dict(v3.encoder.vision_model.state_dict())
-    wide.encoder.projector.load_state_dict(v3.encoder.projector.state_dict())
-    wide.decoder.load_state_dict(v3.decoder.state_dict())
-    wide.config["ocr_latent"] = dict(v3.config.get("ocr_latent", {}))
-    return wide
+    encoder.sam_model.load_state_dict(new)
+    encoder.vision_model.load_state_dict(narrow.encoder.vision_model.state_dict())
+    encoder.projector.load_state_dict(narrow.encoder.projector.state_dict())
+    decoder.load_state_dict(narrow.decoder.state_dict())
+    return OCRModel(cfg, encoder, decoder, narrow.tokens, narrow.tokenizer)
 
 
 def save_run(model: OCRModel, out: Path, extra: dict[str, torch.Tensor] | None = None) -> None:

@@ -1,0 +1,75 @@
+"""What a training run's towers read, by glyph size: the share of occupied reading-order slots its order
+head reads right from each vision token (64 px of the view) and its patch head from each 16 px patch of
+SAM's neck, for glyphs under and over a size in the 1024 px view (a 512 px page is scaled x2 into it).
+The heads are the run's own (train_state.safetensors of an encoder or joint stage, or of a run made with
+--heads-from); the pages are held-out pages of a curriculum level (pages.level_pages).
+
+    python bench/tower_accuracy.py runs/v4-enc7 --level 0 --pages 24 --split-at 48
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from ocr_latent.checkpoint import load_model
+from ocr_latent.training.losses import order_targets
+from ocr_latent.training.nano import model_charset
+from ocr_latent.training.pages import level_pages, load_corpus, split_documents
+
+
+def saved_head(state: dict[str, torch.Tensor], name: str) -> torch.nn.Module:
+    """A dense-loss head as train.py saves it: linear, or linear-GELU-linear."""
+    own = {k[len(name) + 1:]: v for k, v in state.items() if k.startswith(name + ".")}
+    if not own:
+        raise SystemExit(f"the run has no trained {name} head: measure an encoder stage's run")
+    linear = lambda w: torch.nn.Linear(w.shape[1], w.shape[0])
+    head = (torch.nn.Sequential(linear(own["0.weight"]), torch.nn.GELU(), linear(own["2.weight"]))
+            if "0.weight" in own else linear(own["weight"]))
+    head.load_state_dict(own)
+    return head
+
+
+@torch.no_grad()
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run", help="a training run's directory (train.py base --out)")
+    ap.add_argument("--level", default="0", help="curriculum level, or small (nano v1's pages)")
+    ap.add_argument("--pages", type=int, default=24)
+    ap.add_argument("--seed", type=int, default=21, help="page stream of the validation split")
+    ap.add_argument("--split-at", type=int, default=48, help="glyph size (px in the view) between the two bands")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model = load_model(args.run)
+    model.encoder.eval()
+    charset, state = model_charset(model), load_file(str(Path(args.run) / "train_state.safetensors"))
+    classes = len(charset) + 1
+    heads = {"token": (saved_head(state, "order"), 16), "patch": (saved_head(state, "patch"), 64)}
+    necks = []
+    model.encoder.sam_model.neck.register_forward_hook(lambda module, inputs, out: necks.append(out))
+    counts: dict[str, list[int]] = {}
+    for page in level_pages(split_documents(load_corpus())["val"], args.level, args.pages, args.seed):
+        features = model.encoder.encode_images([page.image], "base")[0]
+        inputs = {"token": features, "patch": necks.pop()[0].flatten(1).T}
+        view_size = page.font_size * 1024 / max(page.image.size)
+        band = f"under {args.split_at} px" if view_size < args.split_at else f"{args.split_at} px and over"
+        for name, (head, grid) in heads.items():
+            slots = head(inputs[name]).shape[-1] // classes
+            read = head(inputs[name]).reshape(-1, slots, classes).argmax(-1)
+            target = torch.from_numpy(order_targets(page, grid, slots, charset))
+            occupied = target != len(charset)
+            tally = counts.setdefault(f"{name}, {band}", [0, 0])
+            tally[0] += int((read == target)[occupied].sum())
+            tally[1] += int(occupied.sum())
+    out = {key: {"accuracy": round(right / total, 3), "slots": total} for key, (right, total) in sorted(counts.items())}
+    for key, row in out.items():
+        print(f"{key:>24}: {row['accuracy']:.3f} of {row['slots']} slots")
+    print(json.dumps({"run": args.run, "level": args.level, "pages": args.pages, "seed": args.seed, "accuracy": out}))
+
+
+if __name__ == "__main__":
+    main()
