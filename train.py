@@ -151,7 +151,7 @@ class BaseTraining:
         self.patch_head = torch.nn.Linear(model.encoder.cfg.sam_neck_channels, patch_outputs) if self.use_patch else None
         if self.use_patch:
             own = prefixed(state, "patch") or prefixed(heads, "patch")
-            if own and args.widen_from and not state:  # it reads the widened neck's copies
+            if own and args.widen_from and "sam" in args.widen and not state:  # it reads the widened neck's copies
                 own["weight"] = split_inputs(own["weight"], torch.Generator().manual_seed(args.seed))
             if own and own["weight"].shape == self.patch_head.weight.shape:
                 self.patch_head.load_state_dict(own)
@@ -189,7 +189,9 @@ class BaseTraining:
         if args.grow_from:
             return grown_nano(load_model(args.grow_from), args.seed), {}, {"step": 0, "curve": [], "grown_from": args.grow_from}
         if args.widen_from:
-            return widened_nano(load_model(args.widen_from), args.seed), {}, {"step": 0, "curve": [], "widened_from": args.widen_from}
+            towers = tuple(args.widen.split(","))
+            return (widened_nano(load_model(args.widen_from), args.seed, towers), {},
+                    {"step": 0, "curve": [], "widened_from": args.widen_from, "widened": list(towers)})
         model, meta = new_nano(args.seed, args.nano_version), {"step": 0, "curve": []}
         calib = PageStream(self.docs["train"], self.kind, seed=args.seed + 1)
         scale = calibrate_projector(model, [calib[i] for i in range(32)], model.config["ocr_latent"]["mode"])
@@ -499,8 +501,10 @@ def main(argv=None, prog: str | None = None) -> None:
                    "(pages.py: small = nano v1's 512 px pages; nano2 = ordinary pages with some small ones)")
     b.add_argument("--nano-version", type=int, choices=[1, 2], default=1, help="sizes of a model started from scratch (nano.py)")
     b.add_argument("--grow-from", help="start from nano v3 grown from this trained v1 model directory (nano.grown_nano)")
-    b.add_argument("--widen-from", help="start from nano v4: this trained v3 run with its SAM twice as wide, reading as "
-                   "it did (nano.widened_nano); its dense-loss heads come along")
+    b.add_argument("--widen-from", help="start from this trained run with wider towers (--widen), reading as it did "
+                   "(nano.widened_nano; nano v4 is v3 with SAM widened); its dense-loss heads come along")
+    b.add_argument("--widen", default="sam", choices=["sam", "clip", "sam,clip"], help="with --widen-from: the towers "
+                   "made twice as wide (clip: also SAM's last conv and the projector's input)")
     b.add_argument("--max-tokens", type=int, default=256, help="longest validation reading")
     b.add_argument("--bf16", action="store_true", help="bf16 autocast (CPUs with avx512_bf16/AMX)")
     b.add_argument("--threads", type=int, default=1)

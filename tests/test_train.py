@@ -136,10 +136,11 @@ def test_staged_base_training_trains_only_its_part_and_resumes(tmp_path, capsys)
 
     # a widened run (--widen-from) starts from the run's towers at twice SAM's width, with its heads
     wide_run = tmp_path / "wide"
-    train.main(["base", "--stage", "encoder", "--widen-from", str(enc_run), "--out", str(wide_run), "--steps", "1",
+    train.main(["base", "--stage", "encoder", "--widen-from", str(enc_run), "--widen", "sam,clip", "--out", str(wide_run), "--steps", "1",
                 "--order-weight", "1", "--patch-weight", "1", *common])
     wide = load_model(wide_run)
-    assert wide.encoder.cfg.sam_neck_channels == 2 * load_model(enc_run).encoder.cfg.sam_neck_channels
+    narrow = load_model(enc_run).encoder.cfg
+    assert (wide.encoder.cfg.sam_neck_channels, wide.encoder.cfg.clip_width) == (2 * narrow.sam_neck_channels, 2 * narrow.clip_width)
     assert json.loads((wide_run / "train_meta.json").read_text())["widened_from"] == str(enc_run)
 
     train.main(["base", "--stage", "decoder", "--init", str(enc_run), "--out", str(dec_run), "--steps", "2",
@@ -227,7 +228,8 @@ def test_a_grown_nano_reads_as_the_v1_it_grew_from_and_spells_latin1():
     assert (old_logits.argmax(-1) == target)[scored].float().mean() > 0.8  # v1 reads the page: the test can fail
 
 
-def test_a_widened_nano_computes_what_it_was_widened_from_with_copies_free_to_learn_apart():
+@pytest.mark.parametrize("towers", [("sam",), ("sam", "clip"), ("clip",)])
+def test_a_widened_nano_computes_what_it_was_widened_from_with_copies_free_to_learn_apart(towers):
     """A widened nano (v4 is v3 widened) doubles SAM's channels of a trained model (glyphs of ordinary
     text are one or two patches): it starts reading exactly as the narrow one did, a patch head split over
     the neck's copies reads the same, and the copies are read with different weights, so training can
@@ -235,9 +237,10 @@ def test_a_widened_nano_computes_what_it_was_widened_from_with_copies_free_to_le
     from ocr_latent.training.nano import split_inputs, widened_nano
     from ocr_latent.training.pages import test_pages
     v3 = load_model(NANO)
-    v4 = widened_nano(v3, seed=1)
-    assert v4.encoder.cfg.sam_width == 2 * v3.encoder.cfg.sam_width
-    assert v4.encoder.cfg.sam_neck_channels == 2 * v3.encoder.cfg.sam_neck_channels
+    v4 = widened_nano(v3, seed=1, towers=towers)
+    twice = lambda name: getattr(v4.encoder.cfg, name) == 2 * getattr(v3.encoder.cfg, name)
+    assert all(twice(name) == ("sam" in towers) for name in ("sam_width", "sam_heads", "sam_neck_channels"))
+    assert all(twice(name) == ("clip" in towers) for name in ("clip_width", "clip_heads", "projector_input_dim"))
     page = test_pages(1, seed=2)[0]
     necks = []
     for m in (v3, v4):
@@ -246,15 +249,17 @@ def test_a_widened_nano_computes_what_it_was_widened_from_with_copies_free_to_le
     assert old.abs().max() > 1 and torch.allclose(new, old, atol=1e-3 * old.abs().max())
     head = torch.nn.Linear(necks[0].shape[1], 10)
     wide_head = torch.nn.Linear(necks[1].shape[1], 10)
-    wide_head.load_state_dict({"weight": split_inputs(head.weight.detach(), torch.Generator().manual_seed(0)),
+    split = split_inputs if "sam" in towers else lambda weight, gen: weight  # over the neck's copies, if any
+    wide_head.load_state_dict({"weight": split(head.weight.detach(), torch.Generator().manual_seed(0)),
                                "bias": head.bias.detach()})
     with torch.no_grad():
         read = [h(n.flatten(2).transpose(1, 2)) for h, n in ((head, necks[0]), (wide_head, necks[1]))]
     assert torch.allclose(read[1], read[0], atol=1e-4)
     assert not torch.allclose(read[0], torch.zeros_like(read[0]), atol=1e-2)
-    qkv = v4.encoder.sam_model.blocks[0].attn.qkv.weight
-    half = qkv.shape[1] // 2
-    assert not torch.allclose(qkv[:, :half], qkv[:, half:])  # the copies' readers differ
+    for tower in towers:  # the copies' readers differ
+        qkv = (v4.encoder.sam_model.blocks[0].attn.qkv if tower == "sam" else v4.encoder.vision_model.transformer.layers[0].self_attn.qkv_proj).weight
+        half = qkv.shape[1] // 2
+        assert not torch.allclose(qkv[:, :half], qkv[:, half:])
 
 
 @pytest.mark.slow  # trains

@@ -147,48 +147,89 @@ def duplicate_outputs(tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return torch.cat([tensor, tensor], dim)
 
 
-@torch.no_grad()
-def widened_nano(narrow: OCRModel, seed: int) -> OCRModel:
-    """A trained nano with its SAM twice as wide (width, heads, neck and first downsampling conv; nano v4
-    is v3 widened), computing the same function: every widened channel starts as two copies of the old
-    one. Glyphs of ordinary text are one or two 16 px patches, which v3's 64-wide patches and 32-channel
-    neck carry poorly. The last conv writes the old channels, so CLIP, the projector and the decoder are
-    the narrow model's own."""
-    gen = torch.Generator().manual_seed(seed)
-    cfg = copy.deepcopy(narrow.config)
-    sam = cfg["vision_config"]["width"]["sam_vit_b"]
-    c2, c3 = sam["downsample_channels"]
-    sam.update(width=2 * sam["width"], heads=2 * sam["heads"], neck_channels=2 * sam.get("neck_channels", 256),
-               downsample_channels=[2 * c2, c3])
-    name = cfg.get("_name_or_path", "nano")
-    cfg["_name_or_path"] = "ocr-latent/nano-v4" if name == "ocr-latent/nano-v3" else f"{name}-wide"
-    encoder, decoder = build_modules(cfg, "cpu")
-    old, new = narrow.encoder.sam_model.state_dict(), {}
+def widened_sam(old: dict[str, torch.Tensor], gen: torch.Generator, wider_input: bool, wider_output: bool) -> dict:
+    """SAM's weights at twice its width, heads, neck and first downsampling conv (wider_input), and/or with
+    its last conv writing each channel twice (wider_output: a wider CLIP reads it)."""
     qkv = lambda t: torch.cat([duplicate_outputs(part) for part in t.chunk(3)])  # q, k, v: their heads twice
+    new = {}
     for name, value in old.items():
-        if name in ("patch_embed.proj.weight", "patch_embed.proj.bias") or name.endswith(("norm1.weight", "norm1.bias",
-                                                                                           "norm2.weight", "norm2.bias")):
-            new[name] = duplicate_outputs(value)
+        if name == "net_3.weight":
+            value = split_inputs(value, gen) if wider_input else value
+            new[name] = duplicate_outputs(value) if wider_output else value
+        elif not wider_input:
+            new[name] = value
+        elif name.endswith(("rel_pos_h", "rel_pos_w")):  # per head dimension: unchanged
+            new[name] = value
         elif name == "pos_embed":
             new[name] = duplicate_outputs(value, -1)
-        elif name.endswith("rel_pos_h") or name.endswith("rel_pos_w"):  # per head dimension: unchanged
-            new[name] = value
         elif name.endswith("attn.qkv.weight"):
             new[name] = qkv(split_inputs(value, gen))
         elif name.endswith("attn.qkv.bias"):
             new[name] = qkv(value)
         elif name.endswith(("attn.proj.weight", "mlp.lin1.weight", "mlp.lin2.weight")) or name in ("neck.0.weight", "neck.2.weight", "net_2.weight"):
             new[name] = duplicate_outputs(split_inputs(value, gen))
-        elif name.endswith(("attn.proj.bias", "mlp.lin1.bias", "mlp.lin2.bias")) or name in ("neck.1.weight", "neck.1.bias",
-                                                                                             "neck.3.weight", "neck.3.bias"):
+        elif name.startswith("patch_embed.") or name.endswith(("norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias", "attn.proj.bias",
+                                                                "mlp.lin1.bias", "mlp.lin2.bias")) or name.startswith(("neck.1.", "neck.3.")):
             new[name] = duplicate_outputs(value)
-        elif name == "net_3.weight":
-            new[name] = split_inputs(value, gen)
         else:
-            raise KeyError(f"widened_nano does not know how to widen {name}")
-    encoder.sam_model.load_state_dict(new)
-    encoder.vision_model.load_state_dict(narrow.encoder.vision_model.state_dict())
-    encoder.projector.load_state_dict(narrow.encoder.projector.state_dict())
+            raise KeyError(f"widened_sam does not know how to widen {name}")
+    return new
+
+
+def widened_clip(old: dict[str, torch.Tensor], gen: torch.Generator) -> dict:
+    """CLIP's weights at twice its width and heads (the head dimension, and so the attention, unchanged)."""
+    qkv = lambda t: torch.cat([duplicate_outputs(part) for part in t.chunk(3)])
+    new = {}
+    for name, value in old.items():
+        if name == "embeddings.position_embedding.weight":
+            new[name] = duplicate_outputs(value, 1)
+        elif name.endswith("qkv_proj.weight"):
+            new[name] = qkv(split_inputs(value, gen))
+        elif name.endswith("qkv_proj.bias"):
+            new[name] = qkv(value)
+        elif name.endswith(("out_proj.weight", "fc1.weight", "fc2.weight")):
+            new[name] = duplicate_outputs(split_inputs(value, gen))
+        elif name.endswith(("class_embedding", "patch_embedding.weight", ".bias")) or "layer_norm" in name or "layrnorm" in name:
+            new[name] = duplicate_outputs(value)
+        else:
+            raise KeyError(f"widened_clip does not know how to widen {name}")
+    return new
+
+
+@torch.no_grad()
+def widened_nano(narrow: OCRModel, seed: int, towers: tuple[str, ...] = ("sam",)) -> OCRModel:
+    """A trained nano with wider towers, computing the same function: every widened channel starts as two
+    copies of the old one. "sam": SAM's width, heads, neck and first downsampling conv doubled (nano v4
+    is v3 so widened): glyphs of ordinary text are one or two 16 px patches, which v3's 64-wide patches
+    and 32-channel neck carry poorly. "clip": SAM's last conv, CLIP's width and heads and the projector's
+    input doubled, so each vision token carries more of the several characters in its square. The
+    projector's output and the decoder are the narrow model's own."""
+    if not towers or not set(towers) <= {"sam", "clip"}:
+        raise ValueError(f"towers to widen: sam, clip or both, not {towers}")
+    gen = torch.Generator().manual_seed(seed)
+    cfg = copy.deepcopy(narrow.config)
+    sam, clip = (cfg["vision_config"]["width"][k] for k in ("sam_vit_b", "clip-l-14-224"))
+    c2, c3 = sam["downsample_channels"]
+    if "sam" in towers:
+        sam.update(width=2 * sam["width"], heads=2 * sam["heads"], neck_channels=2 * sam.get("neck_channels", 256))
+        c2 *= 2
+    if "clip" in towers:
+        c3 *= 2
+        clip.update(width=2 * clip["width"], heads=2 * clip["heads"])
+        cfg["projector_config"]["input_dim"] *= 2
+    sam["downsample_channels"] = [c2, c3]
+    name = cfg.get("_name_or_path", "nano")
+    cfg["_name_or_path"] = "ocr-latent/nano-v4" if name == "ocr-latent/nano-v3" and towers == ("sam",) else f"{name}-wide"
+    encoder, decoder = build_modules(cfg, "cpu")
+    encoder.sam_model.load_state_dict(widened_sam(narrow.encoder.sam_model.state_dict(), gen, "sam" in towers, "clip" in towers))
+    clip_state, projector = narrow.encoder.vision_model.state_dict(), narrow.encoder.projector.state_dict()
+    if "clip" in towers:  # the projector reads [CLIP, SAM], each now in two copies
+        clip_state = widened_clip(clip_state, gen)
+        weight = projector["layers.weight"]
+        width = weight.shape[1] // 2
+        projector["layers.weight"] = torch.cat([split_inputs(weight[:, :width], gen), split_inputs(weight[:, width:], gen)], 1)
+    encoder.vision_model.load_state_dict(clip_state)
+    encoder.projector.load_state_dict(projector)
     decoder.load_state_dict(narrow.decoder.state_dict())
     return OCRModel(cfg, encoder, decoder, narrow.tokens, narrow.tokenizer)
 
