@@ -35,7 +35,8 @@ from ocr_latent.training.manifest import ROOT, curve_file, data_record, update_m
 from ocr_latent.training.nano import grown_nano, model_charset, new_nano, save_run, split_inputs, widened_nano
 from ocr_latent.training.recipe import code_fsq, cosine_to_tenth
 from ocr_latent.training.pages import (CURRICULUM_LEVELS, ORDINARY, PAGE_KINDS, PageSpec, PageStream, char_targets,
-                                      level_pages, load_corpus, split_documents, test_pages, toward_ordinary)
+                                      level_pages, load_corpus, split_documents, test_pages, toward_ordinary,
+                                      train_only_documents)
 
 # ----------------------------------------------------------------------------- base training
 @torch.no_grad()
@@ -123,6 +124,7 @@ class BaseTraining:
         torch.manual_seed(args.seed)
         self.args, self.out, self.stage = args, Path(args.out), args.stage
         self.docs = split_documents(load_corpus())
+        self.train_docs = self.docs["train"] + (train_only_documents() if args.more_text else [])
         self.kind = PAGE_KINDS[args.pages]
         self.model, state, self.meta = self.load_or_start()
         model, stage = self.model, self.stage
@@ -168,7 +170,7 @@ class BaseTraining:
         self.val_pages = list(PageStream(self.docs["val"], val_kind, seed=1, length=args.val_pages))
         if stage == "decoder":
             self.cached, self.cached_texts = features.load(model, args.cache_pages, cache_stream_seed(args.seed),
-                                                           self.out / "features", kind=args.pages)
+                                                           self.out / "features", kind=args.pages, more_text=args.more_text)
             if self.bottleneck_needs_pca:
                 self.bottleneck.init_from_pca(self.cached[:256].float())
                 self.bottleneck_needs_pca = False
@@ -193,7 +195,7 @@ class BaseTraining:
             return (widened_nano(load_model(args.widen_from), args.seed, towers), {},
                     {"step": 0, "curve": [], "widened_from": args.widen_from, "widened": list(towers)})
         model, meta = new_nano(args.seed, args.nano_version), {"step": 0, "curve": []}
-        calib = PageStream(self.docs["train"], self.kind, seed=args.seed + 1)
+        calib = PageStream(self.train_docs, self.kind, seed=args.seed + 1)
         scale = calibrate_projector(model, [calib[i] for i in range(32)], model.config["ocr_latent"]["mode"])
         meta["projector_calibration"] = f"output centred and divided by {scale:.2f}"
         return model, {}, meta
@@ -235,7 +237,7 @@ class BaseTraining:
             kind = toward_ordinary(self.level(step))
         else:
             kind = self.kind
-        stream = PageStream(self.docs["train"], kind,
+        stream = PageStream(self.train_docs, kind,
                             seed=args.seed)
         pages = [stream[step * args.batch + i] for i in range(args.batch)]
         return pages, pixels_of(pages, self.mode)
@@ -439,6 +441,8 @@ def export_base(args) -> None:
         if not m.get("init"):
             break
         init = m["init"]
+    if any(s["hyperparameters"].get("more_text") for s in stages):  # a stage read the train-only documents too
+        docs["train-only"] = train_only_documents()
     manifest_path = Path(args.manifest)
     previous = json.loads(manifest_path.read_text())["artifacts"].get(f"{to.name}/base") if manifest_path.exists() else None
     record = {"kind": "base model trained from scratch", "dir": str(to.resolve().relative_to(ROOT)) if to.resolve().is_relative_to(ROOT) else str(to),
@@ -505,6 +509,8 @@ def main(argv=None, prog: str | None = None) -> None:
                    "(nano.widened_nano; nano v4 is v3 with SAM widened); its dense-loss heads come along")
     b.add_argument("--widen", default="sam", choices=["sam", "clip", "sam,clip"], help="with --widen-from: the towers "
                    "made twice as wide (clip: also SAM's last conv and the projector's input)")
+    b.add_argument("--more-text", action="store_true", help="training pages draw their text from the train-only "
+                   "documents too (corpus/train-only: the standard library's docstrings); held-out pages are unchanged")
     b.add_argument("--max-tokens", type=int, default=256, help="longest validation reading")
     b.add_argument("--bf16", action="store_true", help="bf16 autocast (CPUs with avx512_bf16/AMX)")
     b.add_argument("--threads", type=int, default=1)

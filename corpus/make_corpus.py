@@ -1,10 +1,13 @@
 """Rebuild the derived corpus files from texts installed on a Debian machine.
 
 Run from the repo root: `python corpus/make_corpus.py`. The hand-written
-`prose-*.txt` files are not generated; they are original text (CC0).
+`prose-*.txt` files are not generated; they are original text (CC0). The
+`train-only/` documents (the standard library's docstrings) are rendered into
+training pages only, never held out.
 Every output is normalised the same way as `normalise()` below so the
 renderer only ever sees printable ASCII.
 """
+import ast
 import importlib.util
 import re
 import sys
@@ -62,6 +65,31 @@ PYTHON_TOPICS = {
 }
 
 
+TRAIN_ONLY = OUT / "train-only"
+# not prose of the library's own: tests, the IDE and GUI demos, vendored wheels, and pydoc's topics (the
+# reference manual, parts of which are held-out documents above)
+NOT_DOCSTRINGS = {"test", "tests", "idlelib", "lib2to3", "tkinter", "turtledemo", "ensurepip", "site-packages", "pydoc_data"}
+
+
+def stdlib_docstrings(min_chars=300, min_document=2000):
+    """{name: text} of the standard library's longer docstrings (modules, classes, functions), one
+    document per top-level module or package, in file and then tree order."""
+    groups = {}
+    for path in sorted(PYLIB.rglob("*.py")):
+        parts = path.relative_to(PYLIB).parts
+        if NOT_DOCSTRINGS & set(parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text("utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        nodes = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        docs = [d for node in ast.walk(tree) if isinstance(node, nodes) and len(d := ast.get_docstring(node) or "") >= min_chars]
+        groups.setdefault(Path(parts[0]).stem.lstrip("_"), []).extend(docs)
+    texts = {name: normalise("\n\n".join(docs)) for name, docs in sorted(groups.items())}
+    return {name: text for name, text in texts.items() if len(text) >= min_document}
+
+
 def main():
     for name, src in LICENSE_FILES.items():
         (OUT / f"license-{name}.txt").write_text(normalise((LICENSES / src).read_text("utf-8")))
@@ -71,6 +99,9 @@ def main():
     spec.loader.exec_module(module)
     for name, keys in PYTHON_TOPICS.items():
         (OUT / f"{name}.txt").write_text(normalise("\n\n".join(module.topics[k] for k in keys)))
+    TRAIN_ONLY.mkdir(exist_ok=True)
+    for name, text in stdlib_docstrings().items():
+        (TRAIN_ONLY / f"python-stdlib-{name}.txt").write_text(text)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,21 @@ def test_corpus_is_big_ascii_and_hashed(docs):
         assert len(d.text.split()) > 200, d.name
 
 
+def test_train_only_documents_are_more_text_and_share_none_with_the_held_out_pages(docs):
+    """corpus/train-only (the standard library's docstrings) more than doubles the training text of ordinary
+    pages, is never split into validation or test, and repeats no passage of the held-out documents."""
+    extra = pages.train_only_documents()
+    split = pages.split_documents(docs)
+    assert sum(len(d.text) for d in extra) > 1.5 * sum(len(d.text) for d in split["train"])
+    assert all(set(d.text) <= set(pages.CHARSET) | {"\n"} for d in extra)
+    assert not {d.name for d in extra} & {d.name for d in docs}
+    blob = "\n".join(d.text for d in extra)
+    for held_out in split["val"] + split["test"]:
+        passages = [held_out.text[i:i + 60] for i in range(0, len(held_out.text) - 60, 60)]
+        assert not any(passage in blob for passage in passages), held_out.name
+    assert "Return" in blob and len(blob.split()) > 100_000  # prose, not code
+
+
 def test_split_disjoint_covering_deterministic(docs):
     split = pages.split_documents(docs, seed=0)
     names = {k: {d.name for d in v} for k, v in split.items()}

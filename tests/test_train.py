@@ -194,6 +194,21 @@ def test_bottleneck_stages_fold_into_the_projector_and_start_a_quantizer(tmp_pat
     torch.testing.assert_close(started.proj_out.weight, fsq.proj_out.weight)
 
 
+def test_a_feature_cache_of_more_text_is_drawn_from_the_train_only_documents_and_kept_apart(tmp_path):
+    """--more-text: cached training pages take their text from corpus/train-only too, and a cache made
+    with them is never read as one of the training split alone (nor the other way round)."""
+    from ocr_latent.training import features
+    from ocr_latent.training.pages import train_only_documents
+    model, out = load_model(NANO), tmp_path / "features"
+    source = lambda text, docs: any("".join(text.split()) in "".join(d.text.split()) for d in docs)  # lines wrap anew
+    train_docs, extra = split_documents(load_corpus())["train"], train_only_documents()
+    _, more = features.load(model, 6, 3, out, more_text=True)
+    assert any(source(t, extra) for t in more) and all(source(t, train_docs + extra) for t in more)
+    _, plain = features.load(model, 6, 3, out)  # rebuilt: the shard was made of more documents
+    assert plain != more and all(source(t, train_docs) for t in plain)
+    assert features.load(model, 6, 3, out, more_text=True)[1] == more
+
+
 def test_length_grouped_batches_draw_every_page_once_an_epoch_with_little_padding():
     import random
     lengths = [random.Random(i).randint(50, 1500) for i in range(1000)]

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from ocr_latent.checkpoint import OCRModel, load_model
-from ocr_latent.training.pages import PAGE_KINDS, PageStream, load_corpus, split_documents
+from ocr_latent.training.pages import PAGE_KINDS, PageStream, load_corpus, split_documents, train_only_documents
 
 SHARD = 512
 
@@ -34,11 +34,12 @@ def shard_size(pages: int) -> int:
     return min(SHARD, pages)
 
 
-def shard_key(model: OCRModel, seed: int, index: int, size: int, kind: str = "small") -> dict[str, str]:
+def shard_key(model: OCRModel, seed: int, index: int, size: int, kind: str = "small", more_text: bool = False) -> dict[str, str]:
     from ocr_latent.serving.pipeline import base_fingerprint
     key = {"base_fingerprint": base_fingerprint(model), "stream_seed": str(seed), "first_page": str(index * size),
            "pages": str(size)}
-    return key if kind == "small" else key | {"page_kind": kind}  # caches of small pages predate the field
+    key = key if kind == "small" else key | {"page_kind": kind}  # caches of small pages predate the field
+    return key | {"documents": "train+train-only"} if more_text else key
 
 
 def shard_is_for(path: Path, key: dict[str, str]) -> bool:
@@ -46,19 +47,21 @@ def shard_is_for(path: Path, key: dict[str, str]) -> bool:
         return False
     with safe_open(str(path), "pt") as f:
         made_for = f.metadata() or {}
-    return all(made_for.get(k) == v for k, v in key.items())
+    # a field the key lacks must be absent too: a cache of more documents is not one of fewer
+    return all(made_for.get(k) == v for k, v in key.items()) and made_for.get("documents") == key.get("documents")
 
 
 @torch.inference_mode()
-def build(model: OCRModel, pages: int, seed: int, out: Path, batch: int = 16, kind: str = "small") -> None:
+def build(model: OCRModel, pages: int, seed: int, out: Path, batch: int = 16, kind: str = "small", more_text: bool = False) -> None:
     """Encode pages [0, pages) of the train split's stream `seed` of page kind `kind` (pages.PAGE_KINDS),
-    rounded up to whole shards; shards already there for this base and stream are kept."""
-    docs = split_documents(load_corpus())
-    stream = PageStream(docs["train"], PAGE_KINDS[kind], seed=seed)
+    rounded up to whole shards; shards already there for this base and stream are kept. `more_text`: the
+    pages' text is drawn from the train-only documents too (pages.train_only_documents)."""
+    docs = split_documents(load_corpus())["train"] + (train_only_documents() if more_text else [])
+    stream = PageStream(docs, PAGE_KINDS[kind], seed=seed)
     mode = model.config.get("ocr_latent", {}).get("mode", "base")
     out.mkdir(parents=True, exist_ok=True)
     size = shard_size(pages)
-    todo = [i for i in range(-(-pages // size)) if not shard_is_for(shard_path(out, i), shard_key(model, seed, i, size, kind))]
+    todo = [i for i in range(-(-pages // size)) if not shard_is_for(shard_path(out, i), shard_key(model, seed, i, size, kind, more_text))]
     if not todo:
         return
     bar = tqdm(total=len(todo) * size, desc="feature cache", dynamic_ncols=True)
@@ -72,15 +75,16 @@ def build(model: OCRModel, pages: int, seed: int, out: Path, batch: int = 16, ki
         path = shard_path(out, i)
         path.with_suffix(".json").write_text(json.dumps(texts))  # texts first: a shard counts once its tensor is there
         tmp = path.with_suffix(".tmp")
-        save_file({"features": torch.cat(feats)}, str(tmp), metadata=shard_key(model, seed, i, size, kind))
+        save_file({"features": torch.cat(feats)}, str(tmp), metadata=shard_key(model, seed, i, size, kind, more_text))
         tmp.rename(path)
     bar.close()
 
 
-def load(model: OCRModel, pages: int, seed: int, out: Path, kind: str = "small") -> tuple[torch.Tensor, list[str]]:
+def load(model: OCRModel, pages: int, seed: int, out: Path, kind: str = "small",
+         more_text: bool = False) -> tuple[torch.Tensor, list[str]]:
     """Features [pages, T, D] (bf16) of the first `pages` pages of stream `seed`, with their texts;
     the shards that are missing, or were made for other towers or pages, are encoded first."""
-    build(model, pages, seed, out, kind=kind)
+    build(model, pages, seed, out, kind=kind, more_text=more_text)
     size, feats, texts = shard_size(pages), [], []
     for i in range(-(-pages // size)):
         feats.append(load_file(str(shard_path(out, i)))["features"])

@@ -83,6 +83,14 @@ def _family(name: str) -> str:
     return re.sub(r"-[\d.]+$", "", name)
 
 
+def train_only_documents(root: str | Path = "corpus") -> list[Document]:
+    """The documents under `root`/train-only (the standard library's docstrings, corpus/SOURCES.md):
+    rendered into training pages only (train.py --more-text), so the held-out pages stay as they are.
+    A char-level decoder of ordinary pages reads ~1,000 characters a page, and over the 27 training
+    documents alone it learns their phrases by heart and writes them where the towers are unsure."""
+    return load_corpus(Path(root) / "train-only")
+
+
 def split_documents(docs: list[Document], seed: int = 0) -> dict[str, list[Document]]:
     """Deterministic, disjoint train/val/test split by document (~80/10/10 by count, val and test
     at least 2 each). Versions of the same text stay together (see `_family`)."""
