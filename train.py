@@ -36,7 +36,7 @@ from ocr_latent.training.nano import grown_nano, model_charset, new_nano, save_r
 from ocr_latent.training.recipe import code_fsq, cosine_to_tenth
 from ocr_latent.training.pages import (CURRICULUM_LEVELS, ORDINARY, PAGE_KINDS, PageSpec, PageStream, char_targets,
                                       level_pages, load_corpus, split_documents, test_pages, toward_ordinary,
-                                      train_only_documents)
+                                      train_only_documents, training_documents)
 
 # ----------------------------------------------------------------------------- base training
 @torch.no_grad()
@@ -124,7 +124,7 @@ class BaseTraining:
         torch.manual_seed(args.seed)
         self.args, self.out, self.stage = args, Path(args.out), args.stage
         self.docs = split_documents(load_corpus())
-        self.train_docs = self.docs["train"] + (train_only_documents() if args.more_text else [])
+        self.train_docs = training_documents(args.more_text)
         self.kind = PAGE_KINDS[args.pages]
         self.model, state, self.meta = self.load_or_start()
         model, stage = self.model, self.stage

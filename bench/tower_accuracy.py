@@ -58,8 +58,9 @@ def main(argv=None) -> None:
         view_size = page.font_size * 1024 / max(page.image.size)
         band = f"under {args.split_at} px" if view_size < args.split_at else f"{args.split_at} px and over"
         for name, (head, grid) in heads.items():
-            slots = head(inputs[name]).shape[-1] // classes
-            read = head(inputs[name]).reshape(-1, slots, classes).argmax(-1)
+            logits = head(inputs[name])
+            slots = logits.shape[-1] // classes
+            read = logits.reshape(-1, slots, classes).argmax(-1)
             target = torch.from_numpy(order_targets(page, grid, slots, charset))
             occupied = target != len(charset)
             tally = counts.setdefault(f"{name}, {band}", [0, 0])

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from ocr_latent.checkpoint import OCRModel, load_model
-from ocr_latent.training.pages import PAGE_KINDS, PageStream, load_corpus, split_documents, train_only_documents
+from ocr_latent.training.pages import PAGE_KINDS, PageStream, training_documents
 
 SHARD = 512
 
@@ -47,8 +47,8 @@ def shard_is_for(path: Path, key: dict[str, str]) -> bool:
         return False
     with safe_open(str(path), "pt") as f:
         made_for = f.metadata() or {}
-    # a field the key lacks must be absent too: a cache of more documents is not one of fewer
-    return all(made_for.get(k) == v for k, v in key.items()) and made_for.get("documents") == key.get("documents")
+    # the same fields both ways: a shard with a field the key lacks (more documents) is not one without it
+    return made_for == key
 
 
 @torch.inference_mode()
@@ -56,8 +56,7 @@ def build(model: OCRModel, pages: int, seed: int, out: Path, batch: int = 16, ki
     """Encode pages [0, pages) of the train split's stream `seed` of page kind `kind` (pages.PAGE_KINDS),
     rounded up to whole shards; shards already there for this base and stream are kept. `more_text`: the
     pages' text is drawn from the train-only documents too (pages.train_only_documents)."""
-    docs = split_documents(load_corpus())["train"] + (train_only_documents() if more_text else [])
-    stream = PageStream(docs, PAGE_KINDS[kind], seed=seed)
+    stream = PageStream(training_documents(more_text), PAGE_KINDS[kind], seed=seed)
     mode = model.config.get("ocr_latent", {}).get("mode", "base")
     out.mkdir(parents=True, exist_ok=True)
     size = shard_size(pages)

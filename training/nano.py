@@ -147,10 +147,14 @@ def duplicate_outputs(tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return torch.cat([tensor, tensor], dim)
 
 
+def duplicate_heads(qkv: torch.Tensor) -> torch.Tensor:
+    """A fused q, k, v projection's rows (or bias) with each of q, k and v writing its heads twice."""
+    return torch.cat([duplicate_outputs(part) for part in qkv.chunk(3)])
+
+
 def widened_sam(old: dict[str, torch.Tensor], gen: torch.Generator, wider_input: bool, wider_output: bool) -> dict:
     """SAM's weights at twice its width, heads, neck and first downsampling conv (wider_input), and/or with
     its last conv writing each channel twice (wider_output: a wider CLIP reads it)."""
-    qkv = lambda t: torch.cat([duplicate_outputs(part) for part in t.chunk(3)])  # q, k, v: their heads twice
     new = {}
     for name, value in old.items():
         if name == "net_3.weight":
@@ -163,9 +167,9 @@ def widened_sam(old: dict[str, torch.Tensor], gen: torch.Generator, wider_input:
         elif name == "pos_embed":
             new[name] = duplicate_outputs(value, -1)
         elif name.endswith("attn.qkv.weight"):
-            new[name] = qkv(split_inputs(value, gen))
+            new[name] = duplicate_heads(split_inputs(value, gen))
         elif name.endswith("attn.qkv.bias"):
-            new[name] = qkv(value)
+            new[name] = duplicate_heads(value)
         elif name.endswith(("attn.proj.weight", "mlp.lin1.weight", "mlp.lin2.weight")) or name in ("neck.0.weight", "neck.2.weight", "net_2.weight"):
             new[name] = duplicate_outputs(split_inputs(value, gen))
         elif name.startswith("patch_embed.") or name.endswith(("norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias", "attn.proj.bias",
@@ -178,15 +182,14 @@ def widened_sam(old: dict[str, torch.Tensor], gen: torch.Generator, wider_input:
 
 def widened_clip(old: dict[str, torch.Tensor], gen: torch.Generator) -> dict:
     """CLIP's weights at twice its width and heads (the head dimension, and so the attention, unchanged)."""
-    qkv = lambda t: torch.cat([duplicate_outputs(part) for part in t.chunk(3)])
     new = {}
     for name, value in old.items():
         if name == "embeddings.position_embedding.weight":
             new[name] = duplicate_outputs(value, 1)
         elif name.endswith("qkv_proj.weight"):
-            new[name] = qkv(split_inputs(value, gen))
+            new[name] = duplicate_heads(split_inputs(value, gen))
         elif name.endswith("qkv_proj.bias"):
-            new[name] = qkv(value)
+            new[name] = duplicate_heads(value)
         elif name.endswith(("out_proj.weight", "fc1.weight", "fc2.weight")):
             new[name] = duplicate_outputs(split_inputs(value, gen))
         elif name.endswith(("class_embedding", "patch_embedding.weight", ".bias")) or "layer_norm" in name or "layrnorm" in name:

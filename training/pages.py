@@ -91,6 +91,12 @@ def train_only_documents(root: str | Path = "corpus") -> list[Document]:
     return load_corpus(Path(root) / "train-only")
 
 
+def training_documents(more_text: bool = False) -> list[Document]:
+    """What training pages are drawn from: the corpus's train split, with the train-only documents when
+    `more_text` (train.py base --more-text)."""
+    return split_documents(load_corpus())["train"] + (train_only_documents() if more_text else [])
+
+
 def split_documents(docs: list[Document], seed: int = 0) -> dict[str, list[Document]]:
     """Deterministic, disjoint train/val/test split by document (~80/10/10 by count, val and test
     at least 2 each). Versions of the same text stay together (see `_family`)."""
