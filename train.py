@@ -65,6 +65,15 @@ def fold_bottleneck(model: OCRModel, fsq) -> None:
     layer.weight.copy_(proj @ layer.weight.float())
 
 
+def take_decoder(model, donor, name: str) -> None:
+    """Put `donor`'s language model (embeddings, layers, norm, head) in place of `model`'s: towers from one run,
+    a decoder that reads better from another (it must have read features like these towers')."""
+    if donor.decoder.cfg != model.decoder.cfg or model_charset(donor) != model_charset(model):
+        raise SystemExit(f"--decoder-from {name}: its decoder or tokenizer differs from the run's; "
+                         "both runs must descend from the same nano")
+    model.decoder.load_state_dict(donor.decoder.state_dict())
+
+
 def prefixed(state: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
     """The entries of one module (`name.` keys) in a flat training state, without the prefix."""
     return {k.removeprefix(name + "."): v for k, v in state.items() if k.startswith(name + ".")}
@@ -186,19 +195,27 @@ class BaseTraining:
             meta = json.loads((out / "train_meta.json").read_text())
             print(f"resuming {out} at step {meta['step']}")
             return load_model(out), load_file(str(out / "train_state.safetensors")), meta
+        model, meta = self.new_model()
+        if args.decoder_from:
+            take_decoder(model, load_model(args.decoder_from), args.decoder_from)
+            meta["decoder_from"] = args.decoder_from
+        return model, {}, meta
+
+    def new_model(self):
+        args = self.args
         if args.init:
-            return load_model(args.init), {}, {"step": 0, "curve": [], "init": args.init}
+            return load_model(args.init), {"step": 0, "curve": [], "init": args.init}
         if args.grow_from:
-            return grown_nano(load_model(args.grow_from), args.seed), {}, {"step": 0, "curve": [], "grown_from": args.grow_from}
+            return grown_nano(load_model(args.grow_from), args.seed), {"step": 0, "curve": [], "grown_from": args.grow_from}
         if args.widen_from:
             towers = tuple(args.widen.split(","))
-            return (widened_nano(load_model(args.widen_from), args.seed, towers), {},
+            return (widened_nano(load_model(args.widen_from), args.seed, towers),
                     {"step": 0, "curve": [], "widened_from": args.widen_from, "widened": list(towers)})
         model, meta = new_nano(args.seed, args.nano_version), {"step": 0, "curve": []}
         calib = PageStream(self.train_docs, self.kind, seed=args.seed + 1)
         scale = calibrate_projector(model, [calib[i] for i in range(32)], model.config["ocr_latent"]["mode"])
         meta["projector_calibration"] = f"output centred and divided by {scale:.2f}"
-        return model, {}, meta
+        return model, meta
 
     def new_bottleneck(self, state):
         """A linear FSQ between the features and their readers (decoder, heads), learned with them."""
@@ -438,9 +455,11 @@ def export_base(args) -> None:
         m = json.loads((Path(init) / "train_meta.json").read_text())
         stages.insert(0, {"run": str(init), "stage": m.get("args", {}).get("stage", "joint"), "steps": m["step"],
                           "wall_s": round(m.get("wall_s", 0)), "hyperparameters": m.get("args", {}), "curve": m["curve"]})
-        if not m.get("init"):
+        # the run it grew from: --init, or --widen-from/--grow-from, whose towers were resized from it
+        parent = m.get("init") or m.get("widened_from") or m.get("grown_from")
+        if not parent:
             break
-        init = m["init"]
+        init = parent
     if any(s["hyperparameters"].get("more_text") for s in stages):  # a stage read the train-only documents too
         docs["train-only"] = train_only_documents()
     manifest_path = Path(args.manifest)
@@ -509,6 +528,8 @@ def main(argv=None, prog: str | None = None) -> None:
                    "(nano.widened_nano; nano v4 is v3 with SAM widened); its dense-loss heads come along")
     b.add_argument("--widen", default="sam", choices=["sam", "clip", "sam,clip"], help="with --widen-from: the towers "
                    "made twice as wide (clip: also SAM's last conv and the projector's input)")
+    b.add_argument("--decoder-from", help="a new run: its decoder (language model) from this run, the towers from "
+                   "--init/--widen-from (the same nano's decoder, trained further on features like these)")
     b.add_argument("--more-text", action="store_true", help="training pages draw their text from the train-only "
                    "documents too (corpus/train-only: the standard library's docstrings); held-out pages are unchanged")
     b.add_argument("--max-tokens", type=int, default=256, help="longest validation reading")

@@ -150,12 +150,22 @@ def test_staged_base_training_trains_only_its_part_and_resumes(tmp_path, capsys)
     meta = json.loads((dec_run / "train_meta.json").read_text())
     assert meta["step"] == 2 and "val_cer" in meta["curve"][-1] and (dec_run / "features" / "features-00000.safetensors").exists()
 
-    # the export serves the last stage's weights and its manifest record names every stage
+    # towers from one run, the decoder from another (--decoder-from): the wide towers with the decoder stage's
+    # decoder (a learning rate of 0 keeps both as they came)
+    spliced = tmp_path / "spliced"
+    train.main(["base", "--stage", "decoder", "--init", str(wide_run), "--decoder-from", str(dec_run), "--out", str(spliced),
+                "--steps", "1", "--cache-pages", "4", "--lr", "0", *common])
+    assert not changed(params(wide)[0], params(load_model(spliced))[0])
+    assert not changed(dec2, params(load_model(spliced))[1]) and changed(dec, dec2)
+
+    # the export serves the last stage's weights and its manifest record names every stage, back through
+    # the widening to the first
     manifest, exported = tmp_path / "manifest.json", tmp_path / "nano"
-    train.main(["export", "--run", str(dec_run), "--to", str(exported), "--test-pages", "2", "--manifest", str(manifest)])
-    assert not changed(params(load_model(dec_run))[1], params(load_model(exported))[1])
+    train.main(["export", "--run", str(spliced), "--to", str(exported), "--test-pages", "2", "--manifest", str(manifest)])
+    assert not changed(params(load_model(spliced))[1], params(load_model(exported))[1])
     record = json.loads(manifest.read_text())["artifacts"]["nano/base"]
-    assert [(s["stage"], s["steps"]) for s in record["stages"]] == [("encoder", 3), ("decoder", 2)]
+    assert [(s["stage"], s["steps"]) for s in record["stages"]] == [("encoder", 3), ("encoder", 1), ("decoder", 1)]
+    assert record["stages"][-1]["hyperparameters"]["decoder_from"] == str(dec_run)
     assert record["steps"] == 5 and record["test_metrics_uncompressed"]["pages"] == 2
 
 
