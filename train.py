@@ -390,14 +390,31 @@ class BaseTraining:
         tmp = out.with_name(out.name + ".tmp")
         save_run(self.model, tmp, extra)
         (tmp / "train_meta.json").write_text(json.dumps(self.meta, indent=1) + "\n")
-        if (out / "features").exists():  # the decoder stage's cache moves with the run
-            (out / "features").rename(tmp / "features")
+        for kept in ("features", "best"):  # the decoder stage's cache and the best reader move with the run
+            if (out / kept).exists():
+                (out / kept).rename(tmp / kept)
         if out.exists():
             old = out.with_name(out.name + ".old")
             if old.exists():
                 shutil.rmtree(old)
             out.rename(old)
         tmp.rename(out)
+
+    def keep_if_best(self, step: int, row: dict) -> None:
+        """With --keep-best: the model that read the validation pages best so far (through the codes where a
+        bottleneck is learned), servable and exportable as OUT/best, since a decoder stage on a fixed cache
+        reads best before it has overfitted it."""
+        score = row.get("val_cer_codes", row.get("val_cer"))
+        if not self.args.keep_best or score is None or score >= self.meta.get("best", {}).get("val_cer", float("inf")):
+            return
+        self.meta["best"] = {"step": step, "val_cer": score}
+        extra = {f"bottleneck.{k}": v for k, v in self.bottleneck.state_dict().items()} if self.bottleneck else {}
+        best, tmp = self.out / "best", self.out / "best.tmp"
+        save_run(self.model, tmp, extra)
+        (tmp / "train_meta.json").write_text(json.dumps(self.meta | {"step": step, "args": vars(self.args)}, indent=1) + "\n")
+        if best.exists():
+            shutil.rmtree(best)
+        tmp.rename(best)
 
     def run(self) -> None:
         args, meta = self.args, self.meta
@@ -413,6 +430,7 @@ class BaseTraining:
             bar.set_postfix({k: v for k, v in row.items() if k != "step"} | {"lr": f"{lr:.1e}"})
             if step % args.eval_every == 0 or step == args.steps:
                 row |= self.evaluate(step)
+                self.keep_if_best(step, row)
                 tqdm.write(f"step {step}: {row}  ({time.time() - t0:.0f}s)")
             if step % 10 == 0 or any(k.startswith("val_") for k in row):
                 meta["curve"].append(row | {"stage": self.stage})
@@ -533,6 +551,8 @@ def main(argv=None, prog: str | None = None) -> None:
     b.add_argument("--more-text", action="store_true", help="training pages draw their text from the train-only "
                    "documents too (corpus/train-only: the standard library's docstrings); held-out pages are unchanged")
     b.add_argument("--max-tokens", type=int, default=256, help="longest validation reading")
+    b.add_argument("--keep-best", action="store_true", help="keep the model of the lowest validation CER so far as "
+                   "OUT/best (servable; `export --run OUT/best`)")
     b.add_argument("--bf16", action="store_true", help="bf16 autocast (CPUs with avx512_bf16/AMX)")
     b.add_argument("--threads", type=int, default=1)
     e = sub.add_parser("export", help="copy a training run's model to a servable directory")

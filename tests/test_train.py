@@ -144,11 +144,14 @@ def test_staged_base_training_trains_only_its_part_and_resumes(tmp_path, capsys)
     assert json.loads((wide_run / "train_meta.json").read_text())["widened_from"] == str(enc_run)
 
     train.main(["base", "--stage", "decoder", "--init", str(enc_run), "--out", str(dec_run), "--steps", "2",
-                "--cache-pages", "4", "--token-dropout", "0.1", *common])
+                "--cache-pages", "4", "--token-dropout", "0.1", "--keep-best", *common])
     enc2, dec2 = params(load_model(dec_run))
     assert not changed(params(load_model(enc_run))[0], enc2) and changed(dec, dec2)
     meta = json.loads((dec_run / "train_meta.json").read_text())
     assert meta["step"] == 2 and "val_cer" in meta["curve"][-1] and (dec_run / "features" / "features-00000.safetensors").exists()
+    # the best reader so far (--keep-best): the only one measured, at the last step
+    assert meta["best"] == {"step": 2, "val_cer": meta["curve"][-1]["val_cer"]}
+    assert not changed(dec2, params(load_model(dec_run / "best"))[1])
 
     # towers from one run, the decoder from another (--decoder-from): the wide towers with the decoder stage's
     # decoder (a learning rate of 0 keeps both as they came)
