@@ -2,7 +2,9 @@
 head reads right from each vision token (64 px of the view) and its patch head from each 16 px patch of
 SAM's neck, for glyphs under and over a size in the 1024 px view (a 512 px page is scaled x2 into it).
 The heads are the run's own (train_state.safetensors of an encoder or joint stage, or of a run made with
---heads-from); the pages are held-out pages of a curriculum level (pages.level_pages).
+--heads-from); the pages are held-out pages of a curriculum level (pages.level_pages). The token head is also measured by
+where a glyph's centre lies in its 64 px square: a token sees 48 px above and left of its square and nothing
+below or right (pages.FIELD_SHIFT), and a run trained with --field-targets reads glyphs by that field.
 
     python bench/tower_accuracy.py runs/v4-enc7 --level 0 --pages 24 --split-at 48
 """
@@ -18,7 +20,7 @@ from safetensors.torch import load_file
 from ocr_latent.checkpoint import load_model
 from ocr_latent.training.losses import order_targets
 from ocr_latent.training.nano import model_charset
-from ocr_latent.training.pages import level_pages, load_corpus, split_documents
+from ocr_latent.training.pages import FIELD_SHIFT, level_pages, load_corpus, split_documents, token_cell
 
 
 def saved_head(state: dict[str, torch.Tensor], name: str) -> torch.nn.Module:
@@ -31,6 +33,22 @@ def saved_head(state: dict[str, torch.Tensor], name: str) -> torch.nn.Module:
             if "0.weight" in own else linear(own["weight"]))
     head.load_state_dict(own)
     return head
+
+
+def by_square_part(page, logits: torch.Tensor, charset: str, shift: float):
+    """(where the glyph's centre lies in its 64 px square, whether the token head read it) for each glyph, in
+    the order order_targets fills the slots."""
+    read = logits.reshape(256, -1, len(charset) + 1).argmax(-1)
+    filled = [0] * 256
+    for box in page.char_boxes:
+        if box[0] not in charset:
+            continue
+        cell, square = token_cell(page, box, 16, shift), token_cell(page, box, 16)
+        below = token_cell(page, box, 16, FIELD_SHIFT) // 16 != square // 16  # centre in the square's last 3/8
+        slot, filled[cell] = filled[cell], filled[cell] + 1
+        if slot < read.shape[1]:
+            part = "centre in the bottom 3/8 of its square" if below else "centre above that"
+            yield part, int(read[cell, slot]) == charset.index(box[0])
 
 
 @torch.no_grad()
@@ -49,6 +67,8 @@ def main(argv=None) -> None:
     charset, state = model_charset(model), load_file(str(Path(args.run) / "train_state.safetensors"))
     classes = len(charset) + 1
     heads = {"token": (saved_head(state, "order"), 16), "patch": (saved_head(state, "patch"), 64)}
+    meta = Path(args.run) / "train_meta.json"
+    shift = FIELD_SHIFT if meta.exists() and json.loads(meta.read_text()).get("args", {}).get("field_targets") else 0.0
     necks = []
     model.encoder.sam_model.neck.register_forward_hook(lambda module, inputs, out: necks.append(out))
     counts: dict[str, list[int]] = {}
@@ -57,15 +77,19 @@ def main(argv=None) -> None:
         inputs = {"token": features, "patch": necks.pop()[0].flatten(1).T}
         view_size = page.font_size * 1024 / max(page.image.size)
         band = f"under {args.split_at} px" if view_size < args.split_at else f"{args.split_at} px and over"
+        outputs = {}
         for name, (head, grid) in heads.items():
-            logits = head(inputs[name])
+            logits = outputs[name] = head(inputs[name])
             slots = logits.shape[-1] // classes
             read = logits.reshape(-1, slots, classes).argmax(-1)
-            target = torch.from_numpy(order_targets(page, grid, slots, charset))
+            target = torch.from_numpy(order_targets(page, grid, slots, charset, shift if name == "token" else 0.0))
             occupied = target != len(charset)
             tally = counts.setdefault(f"{name}, {band}", [0, 0])
             tally[0] += int((read == target)[occupied].sum())
             tally[1] += int(occupied.sum())
+        for part, right in by_square_part(page, outputs["token"], charset, shift):
+            tally = counts.setdefault(f"token, {part}", [0, 0])
+            tally[0], tally[1] = tally[0] + right, tally[1] + 1
     out = {key: {"accuracy": round(right / total, 3), "slots": total} for key, (right, total) in sorted(counts.items())}
     for key, row in out.items():
         print(f"{key:>24}: {row['accuracy']:.3f} of {row['slots']} slots")

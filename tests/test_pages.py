@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from ocr_latent.training import pages
+from ocr_latent.training.losses import order_targets
 
 CLEAN = dataclasses.replace(pages.PageSpec(), augment=False)
 
@@ -117,6 +118,21 @@ def test_char_target_cell_is_box_centre():
                       char_boxes=[("A", 100, 300, 120, 330)], font="DejaVuSans", font_size=24, source="x")
     t = pages.char_targets(page, 4)  # 128 px cells: centre (110, 315) -> row 2, col 0
     assert np.argwhere(t).tolist() == [[2 * 4 + 0, pages.CHARSET.index("A")]]
+
+
+def test_field_targets_give_a_glyph_low_in_its_square_to_the_token_below():
+    """A token's convs see 3/8 of a square above and left of its own square and nothing below or right: a
+    glyph centred in a square's last 3/8 is the next token's target (pages.FIELD_SHIFT), others stay."""
+    boxes = [("A", 20, 300, 40, 330), ("B", 20, 360, 40, 380), ("C", 210, 100, 240, 120)]
+    page = pages.Page(image=pages.Image.new("RGB", (512, 512)), text="A\nB C", lines=["A", "B C"],
+                      char_boxes=boxes, font="DejaVuSans", font_size=24, source="x")
+    # 128 px squares (3/8: 48 px): A's centre (30, 315) is 59 px into row 2 and stays; B's (30, 370) is 114 px
+    # into it (row 3); C's (225, 110) 97 px into column 1 and 110 px into row 0 (column 2, row 1)
+    cells = [pages.token_cell(page, box, 4, pages.FIELD_SHIFT) for box in boxes]
+    assert cells == [2 * 4 + 0, 3 * 4 + 0, 1 * 4 + 2]
+    assert [pages.token_cell(page, box, 4) for box in boxes] == [2 * 4 + 0, 2 * 4 + 0, 0 * 4 + 1]
+    t = order_targets(page, 4, 2, pages.CHARSET, pages.FIELD_SHIFT)
+    assert [pages.CHARSET[t[c, 0]] for c in cells] == ["A", "B", "C"]
 
 
 def test_clean_page_has_plain_background_and_boxes_cover_ink(docs):

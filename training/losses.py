@@ -47,15 +47,15 @@ def teacher_forced_logits(model: OCRModel, image_embeds: list[torch.Tensor], tex
     return model.decoder(embeds), target
 
 
-def order_targets(page, grid: int, slots: int = 6, charset: str = CHARSET) -> np.ndarray:
+def order_targets(page, grid: int, slots: int = 6, charset: str = CHARSET, shift: float = 0.0) -> np.ndarray:
     """[grid*grid, slots] class ids: the characters whose centre lies in each cell, in reading
     order (the renderer lists boxes line by line, left to right); len(charset) marks an empty slot.
-    Unlike char_targets it tells each vision token what it shows *in order*."""
+    Unlike char_targets it tells each vision token what it shows *in order*; `shift` as in token_cell."""
     index = {ch: k for k, ch in enumerate(charset)}
     out = np.full((grid * grid, slots), len(charset), dtype=np.int64)
     fill = np.zeros(grid * grid, dtype=np.int64)
     for box in page.char_boxes:
-        cell = token_cell(page, box, grid)
+        cell = token_cell(page, box, grid, shift)
         if box[0] in index and fill[cell] < slots:
             out[cell, fill[cell]] = index[box[0]]
             fill[cell] += 1

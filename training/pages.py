@@ -420,25 +420,33 @@ def test_pages(n: int | None = None, seed: int = 2, spec: PageSpec | PageMix | N
 test_pages.__test__ = False  # a helper, not a test, wherever tests import it
 
 
-def token_cell(page: Page, box: tuple, grid: int) -> int:
+# A vision token sees its 64 px square of the view through SAM's neck and two stride-2 3x3 convs (net_2,
+# net_3, padding 1): 48 px above and left of the square and nothing below or right of it, so the middle of
+# what it sees lies 24 px (3/8 of the square) above and left of the square's. A glyph centred in the last
+# 3/8 of a square is seen whole by the next token only: with FIELD_SHIFT it is that token's target.
+FIELD_SHIFT = 0.375
+
+
+def token_cell(page: Page, box: tuple, grid: int, shift: float = 0.0) -> int:
     """The vision token (row-major, of grid x grid) whose square of the letterboxed view holds the
-    centre of a character box: base mode scales the page to fit its view and centres it."""
+    centre of a character box (base mode scales the page to fit its view and centres it), or with
+    `shift` (a fraction of a square) the token whose square starts that much above and left."""
     _, x0, y0, x1, y1 = box
     w, h = page.image.size
     scale = 1.0 / max(w, h)  # page pixels -> view fractions
     x = ((x0 + x1) / 2 + (max(w, h) - w) / 2) * scale
     y = ((y0 + y1) / 2 + (max(w, h) - h) / 2) * scale
-    return min(grid - 1, int(y * grid)) * grid + min(grid - 1, int(x * grid))
+    return min(grid - 1, int(y * grid + shift)) * grid + min(grid - 1, int(x * grid + shift))
 
 
-def char_targets(page: Page, grid: int, charset: str = CHARSET) -> np.ndarray:
+def char_targets(page: Page, grid: int, charset: str = CHARSET, shift: float = 0.0) -> np.ndarray:
     """Multi-hot [grid*grid, len(charset)] float32: cell (row-major) is 1 for each character whose
-    box centre lies in it. A dense auxiliary target telling each vision token what it sees."""
+    box centre lies in it (token_cell). A dense auxiliary target telling each vision token what it sees."""
     index = {ch: k for k, ch in enumerate(charset)}
     targets = np.zeros((grid * grid, len(charset)), dtype=np.float32)
     for box in page.char_boxes:
         if box[0] in index:
-            targets[token_cell(page, box, grid), index[box[0]]] = 1.0
+            targets[token_cell(page, box, grid, shift), index[box[0]]] = 1.0
     return targets
 
 
