@@ -3,8 +3,8 @@ head reads right from each vision token (64 px of the view) and its patch head f
 SAM's neck, for glyphs under and over a size in the 1024 px view (a 512 px page is scaled x2 into it).
 The heads are the run's own (train_state.safetensors of an encoder or joint stage, or of a run made with
 --heads-from); the pages are held-out pages of a curriculum level (pages.level_pages). The token head is also measured by
-where a glyph's centre lies in its 64 px square: a token sees 48 px above and left of its square and nothing
-below or right (pages.FIELD_SHIFT), and a run trained with --field-targets reads glyphs by that field.
+where a glyph's centre lies in its 64 px square: a token's convs see 64 px above and left of its square and
+16 px below and right (pages.FIELD_SHIFT), and a run trained with --field-targets reads glyphs by that field.
 
     python bench/tower_accuracy.py runs/v4-enc7 --level 0 --pages 24 --split-at 48
 """

@@ -420,10 +420,10 @@ def test_pages(n: int | None = None, seed: int = 2, spec: PageSpec | PageMix | N
 test_pages.__test__ = False  # a helper, not a test, wherever tests import it
 
 
-# A vision token sees its 64 px square of the view through SAM's neck and two stride-2 3x3 convs (net_2,
-# net_3, padding 1): 48 px above and left of the square and nothing below or right of it, so the middle of
-# what it sees lies 24 px (3/8 of the square) above and left of the square's. A glyph centred in the last
-# 3/8 of a square is seen whole by the next token only: with FIELD_SHIFT it is that token's target.
+# A vision token sees its 64 px square of the view through the 3x3 conv of SAM's neck and two stride-2 3x3
+# convs (net_2, net_3, padding 1): 64 px above and left of the square but only 16 px below and right, so the
+# middle of what it sees lies 24 px (3/8 of the square) above and left of the square's. A glyph centred in
+# the last 3/8 of a square is seen whole by the next token: with FIELD_SHIFT it is that token's target.
 FIELD_SHIFT = 0.375
 
 
