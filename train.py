@@ -35,7 +35,7 @@ from ocr_latent.training.manifest import ROOT, curve_file, data_record, update_m
 from ocr_latent.training.nano import grown_nano, model_charset, new_nano, save_run, split_inputs, widened_nano
 from ocr_latent.training.recipe import code_fsq, cosine_to_tenth
 from ocr_latent.training.pages import (CURRICULUM_LEVELS, FIELD_SHIFT, ORDINARY, PAGE_KINDS, PageSpec, PageStream, char_targets,
-                                      level_pages, load_corpus, split_documents, test_pages, toward_ordinary,
+                                      level_pages, load_corpus, on_lines, split_documents, test_pages, toward_ordinary,
                                       train_only_documents, training_documents)
 
 # ----------------------------------------------------------------------------- base training
@@ -169,6 +169,7 @@ class BaseTraining:
             model.encoder.sam_model.neck.register_forward_hook(lambda module, inputs, out: setattr(self, "neck", out))
         self.mode, self.grid = model.config["ocr_latent"]["mode"], model.encoder.cfg.sam_image_size // 64
         self.shift = FIELD_SHIFT if args.field_targets else 0.0  # which token a glyph is the target of
+        self.token_view = on_lines if args.line_targets else (lambda page: page)  # by its line's middle, or its own
         self.bottleneck, self.bottleneck_needs_pca = self.new_bottleneck(state)
         self.params = self.trainable()
         self.opt = torch.optim.AdamW(self.params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
@@ -310,12 +311,13 @@ class BaseTraining:
                 text = teacher_forced_loss(model, [model.decoder.layout_image(f) for f in feats], texts, args.token_dropout)
                 loss, row["text_loss"] = loss + text, round(text.item(), 4)
             if self.train_encoder:
-                aux_target = torch.from_numpy(np.stack([char_targets(p, self.grid, self.charset, self.shift) for p in pages]))
+                token_pages = [self.token_view(p) for p in pages]
+                aux_target = torch.from_numpy(np.stack([char_targets(p, self.grid, self.charset, self.shift) for p in token_pages]))
                 aux = F.binary_cross_entropy_with_logits(self.aux_head(feats).float(), aux_target)
                 loss, row["aux_loss"] = loss + args.aux_weight * aux, round(aux.item(), 4)
             if self.use_order:
                 order_target = torch.from_numpy(np.stack([order_targets(p, self.grid, args.order_slots, self.charset, self.shift)
-                                                          for p in pages]))
+                                                          for p in token_pages]))
                 order_loss = F.cross_entropy(self.order_head(feats).float().reshape(-1, len(self.charset) + 1),
                                              order_target.flatten())
                 loss, row["order_loss"] = loss + args.order_weight * order_loss, round(order_loss.item(), 4)
@@ -360,7 +362,7 @@ class BaseTraining:
             with torch.no_grad():
                 feats = model.encoder.encode_images([p.image for p in pages], self.mode)  # and self.neck
         if self.use_order:
-            row["val_slot_acc"] = round(slot_accuracy(feats, self.order_head, pages, self.grid,
+            row["val_slot_acc"] = round(slot_accuracy(feats, self.order_head, [self.token_view(p) for p in pages], self.grid,
                                                       args.order_slots, self.charset, bottleneck, self.shift), 4)
         if self.use_patch:
             row["val_patch_acc"] = round(self.patch_accuracy(self.neck, pages), 4)
@@ -540,6 +542,8 @@ def main(argv=None, prog: str | None = None) -> None:
                    "--order-slots and tokenizer)")
     b.add_argument("--field-targets", action="store_true", help="encoder stage: a glyph is the dense-loss target of the "
                    "token that sees it whole (pages.FIELD_SHIFT), not of the one whose square holds its centre")
+    b.add_argument("--line-targets", action="store_true", help="encoder stage: a glyph is a token's target by its "
+                   "line's middle, not its own ink's (pages.on_lines): a line's glyphs share a token row")
     b.add_argument("--head-hidden", type=int, default=0, help="encoder stage: hidden width of the dense-loss heads (0: linear)")
     b.add_argument("--pages", choices=sorted(PAGE_KINDS), default="small", help="page kind trained and validated on "
                    "(pages.py: small = nano v1's 512 px pages; nano2 = ordinary pages with some small ones)")

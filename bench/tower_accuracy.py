@@ -4,7 +4,8 @@ SAM's neck, for glyphs under and over a size in the 1024 px view (a 512 px page 
 The heads are the run's own (train_state.safetensors of an encoder or joint stage, or of a run made with
 --heads-from); the pages are held-out pages of a curriculum level (pages.level_pages). The token head is also measured by
 where a glyph's centre lies in its 64 px square: a token's convs see 64 px above and left of its square and
-16 px below and right (pages.FIELD_SHIFT), and a run trained with --field-targets reads glyphs by that field.
+16 px below and right (pages.FIELD_SHIFT); a run trained with --field-targets or --line-targets is measured
+on the targets it learned.
 
     python bench/tower_accuracy.py runs/v4-enc7 --level 0 --pages 24 --split-at 48
 """
@@ -20,7 +21,7 @@ from safetensors.torch import load_file
 from ocr_latent.checkpoint import load_model
 from ocr_latent.training.losses import order_targets
 from ocr_latent.training.nano import model_charset
-from ocr_latent.training.pages import FIELD_SHIFT, level_pages, load_corpus, split_documents, token_cell
+from ocr_latent.training.pages import FIELD_SHIFT, level_pages, load_corpus, on_lines, split_documents, token_cell
 
 
 def saved_head(state: dict[str, torch.Tensor], name: str) -> torch.nn.Module:
@@ -68,7 +69,9 @@ def main(argv=None) -> None:
     classes = len(charset) + 1
     heads = {"token": (saved_head(state, "order"), 16), "patch": (saved_head(state, "patch"), 64)}
     meta = Path(args.run) / "train_meta.json"
-    shift = FIELD_SHIFT if meta.exists() and json.loads(meta.read_text()).get("args", {}).get("field_targets") else 0.0
+    trained = json.loads(meta.read_text()).get("args", {}) if meta.exists() else {}  # the targets the run's heads learned
+    shift = FIELD_SHIFT if trained.get("field_targets") else 0.0
+    token_view = on_lines if trained.get("line_targets") else (lambda page: page)
     necks = []
     model.encoder.sam_model.neck.register_forward_hook(lambda module, inputs, out: necks.append(out))
     counts: dict[str, list[int]] = {}
@@ -82,12 +85,13 @@ def main(argv=None) -> None:
             logits = outputs[name] = head(inputs[name])
             slots = logits.shape[-1] // classes
             read = logits.reshape(-1, slots, classes).argmax(-1)
-            target = torch.from_numpy(order_targets(page, grid, slots, charset, shift if name == "token" else 0.0))
+            target = torch.from_numpy(order_targets(token_view(page), grid, slots, charset, shift) if name == "token"
+                                      else order_targets(page, grid, slots, charset))
             occupied = target != len(charset)
             tally = counts.setdefault(f"{name}, {band}", [0, 0])
             tally[0] += int((read == target)[occupied].sum())
             tally[1] += int(occupied.sum())
-        for part, right in by_square_part(page, outputs["token"], charset, shift):
+        for part, right in by_square_part(token_view(page), outputs["token"], charset, shift):
             tally = counts.setdefault(f"token, {part}", [0, 0])
             tally[0], tally[1] = tally[0] + right, tally[1] + 1
     out = {key: {"accuracy": round(right / total, 3), "slots": total} for key, (right, total) in sorted(counts.items())}

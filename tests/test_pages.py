@@ -135,6 +135,28 @@ def test_field_targets_give_a_glyph_low_in_its_square_to_the_token_below():
     assert [pages.CHARSET[t[c, 0]] for c in cells] == ["A", "B", "C"]
 
 
+def test_on_lines_gives_a_lines_glyphs_one_middle_and_keeps_a_turned_lines_slope(docs):
+    """on_lines moves each glyph's box onto its line's middle (a straight line through the glyphs'
+    centres), so the glyphs of a line fall in one token row whatever their shapes."""
+    upright = pages.PageStream(docs, CLEAN, seed=4)[0]
+    lined = pages.on_lines(upright)
+    assert [b[0] for b in lined.char_boxes] == [b[0] for b in upright.char_boxes]
+    centres = [(b[2] + b[4]) / 2 for b in lined.char_boxes]
+    start = 0
+    for line in upright.lines:
+        n = len(line) - line.count(" ")
+        own = [(b[2] + b[4]) / 2 for b in upright.char_boxes[start:start + n]]
+        if n > 2:  # one middle (the fit's slope over a line's length: a pixel or two), theirs spread by shape
+            assert np.ptp(centres[start:start + n]) < 3.0 and np.ptp(own) > 3 * np.ptp(centres[start:start + n])
+        assert abs(np.mean(centres[start:start + n]) - np.mean(own)) < 1e-6  # at the glyphs' mean
+        start += n
+    turned = pages.PageStream(docs, dataclasses.replace(CLEAN, max_rotation=1.5), seed=5)[0]
+    first = pages.on_lines(turned).char_boxes[:len(turned.lines[0]) - turned.lines[0].count(" ")]
+    xs, ys = np.array([(b[1] + b[3]) / 2 for b in first]), np.array([(b[2] + b[4]) / 2 for b in first])
+    assert np.allclose(ys, np.polyval(np.polyfit(xs, ys, 1), xs), atol=1e-6)  # on one straight line
+    assert abs(np.polyfit(xs, ys, 1)[0]) > 0.005  # sloped as the page was turned (tan 1.5 deg = 0.026 at most)
+
+
 def test_clean_page_has_plain_background_and_boxes_cover_ink(docs):
     stream = pages.PageStream(docs, CLEAN, seed=4)
     for i in range(5):

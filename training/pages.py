@@ -439,6 +439,22 @@ def token_cell(page: Page, box: tuple, grid: int, shift: float = 0.0) -> int:
     return min(grid - 1, int(y * grid + shift)) * grid + min(grid - 1, int(x * grid + shift))
 
 
+def on_lines(page: Page) -> Page:
+    """The page with each glyph's box moved up or down to centre on its line: a straight line fitted
+    through the centres of the line's glyphs (turned pages' lines slope). A glyph's own ink centre
+    wanders with its shape ("g", "T", "."), so a line whose middle lies near a token's edge would give
+    some of its glyphs to one token and some to the next; on its line, a line's glyphs share a token row."""
+    boxes, moved = page.char_boxes, []
+    for line in page.lines:
+        glyphs, boxes = boxes[:len(line) - line.count(" ")], boxes[len(line) - line.count(" "):]
+        xs = np.array([(b[1] + b[3]) / 2 for b in glyphs])
+        ys = np.array([(b[2] + b[4]) / 2 for b in glyphs])
+        slope = np.polyfit(xs, ys, 1)[0] if len(glyphs) > 1 and np.ptp(xs) > 0 else 0.0
+        middle = ys.mean() + slope * (xs - xs.mean()) if len(glyphs) else ys
+        moved += [(ch, x0, y0 + dy, x1, y1 + dy) for (ch, x0, y0, x1, y1), dy in zip(glyphs, middle - ys)]
+    return replace(page, char_boxes=moved)
+
+
 def char_targets(page: Page, grid: int, charset: str = CHARSET, shift: float = 0.0) -> np.ndarray:
     """Multi-hot [grid*grid, len(charset)] float32: cell (row-major) is 1 for each character whose
     box centre lies in it (token_cell). A dense auxiliary target telling each vision token what it sees."""
