@@ -2,10 +2,10 @@
 head reads right from each vision token (64 px of the view) and its patch head from each 16 px patch of
 SAM's neck, for glyphs under and over a size in the 1024 px view (a 512 px page is scaled x2 into it).
 The heads are the run's own (train_state.safetensors of an encoder or joint stage, or of a run made with
---heads-from); the pages are held-out pages of a curriculum level (pages.level_pages). The token head is also measured by
-where a glyph's centre lies in its 64 px square: a token's convs see 64 px above and left of its square and
-16 px below and right (pages.FIELD_SHIFT); a run trained with --field-targets or --line-targets is measured
-on the targets it learned.
+--heads-from); the pages are held-out pages of a curriculum level (pages.level_pages). The token head is
+also measured by how far down its 64 px square a glyph's centre lies (a token's convs see 64 px above and
+left of its square and 16 px below and right: pages.FIELD_SHIFT); a run trained with --field-targets or
+--line-targets is measured on the targets it learned.
 
     python bench/tower_accuracy.py runs/v4-enc7 --level 0 --pages 24 --split-at 48
 """
@@ -36,20 +36,18 @@ def saved_head(state: dict[str, torch.Tensor], name: str) -> torch.nn.Module:
     return head
 
 
-def by_square_part(page, logits: torch.Tensor, charset: str, shift: float):
-    """(where the glyph's centre lies in its 64 px square, whether the token head read it) for each glyph, in
-    the order order_targets fills the slots."""
+def by_square_band(page, logits: torch.Tensor, charset: str, shift: float):
+    """(how far down its 64 px square a glyph's centre lies, by 16 px bands; whether the token head read it)
+    for each glyph, in the order order_targets fills the slots."""
     read = logits.reshape(256, -1, len(charset) + 1).argmax(-1)
     filled = [0] * 256
     for box in page.char_boxes:
         if box[0] not in charset:
             continue
-        cell, square = token_cell(page, box, 16, shift), token_cell(page, box, 16)
-        below = token_cell(page, box, 16, FIELD_SHIFT) // 16 != square // 16  # centre in the square's last 3/8
+        cell, band = token_cell(page, box, 16, shift), token_cell(page, box, 64) // 64 % 4  # the 16 px row in the square
         slot, filled[cell] = filled[cell], filled[cell] + 1
         if slot < read.shape[1]:
-            part = "centre in the bottom 3/8 of its square" if below else "centre above that"
-            yield part, int(read[cell, slot]) == charset.index(box[0])
+            yield f"centre {16 * band}-{16 * band + 16} px down its square", int(read[cell, slot]) == charset.index(box[0])
 
 
 @torch.no_grad()
@@ -91,7 +89,7 @@ def main(argv=None) -> None:
             tally = counts.setdefault(f"{name}, {band}", [0, 0])
             tally[0] += int((read == target)[occupied].sum())
             tally[1] += int(occupied.sum())
-        for part, right in by_square_part(token_view(page), outputs["token"], charset, shift):
+        for part, right in by_square_band(token_view(page), outputs["token"], charset, shift):
             tally = counts.setdefault(f"token, {part}", [0, 0])
             tally[0], tally[1] = tally[0] + right, tally[1] + 1
     out = {key: {"accuracy": round(right / total, 3), "slots": total} for key, (right, total) in sorted(counts.items())}
