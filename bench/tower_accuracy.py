@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from ocr_latent.checkpoint import load_model
-from ocr_latent.training.losses import order_targets
+from ocr_latent.training.losses import order_targets, slot_positions
 from ocr_latent.training.nano import model_charset
 from ocr_latent.training.pages import FIELD_SHIFT, level_pages, load_corpus, on_lines, split_documents, token_cell
 
@@ -38,16 +38,11 @@ def saved_head(state: dict[str, torch.Tensor], name: str) -> torch.nn.Module:
 
 def by_square_band(page, logits: torch.Tensor, charset: str, shift: float):
     """(how far down its 64 px square a glyph's centre lies, by 16 px bands; whether the token head read it)
-    for each glyph, in the order order_targets fills the slots."""
+    for each glyph with a slot of the token head."""
     read = logits.reshape(256, -1, len(charset) + 1).argmax(-1)
-    filled = [0] * 256
-    for box in page.char_boxes:
-        if box[0] not in charset:
-            continue
-        cell, band = token_cell(page, box, 16, shift), token_cell(page, box, 64) // 64 % 4  # the 16 px row in the square
-        slot, filled[cell] = filled[cell], filled[cell] + 1
-        if slot < read.shape[1]:
-            yield f"centre {16 * band}-{16 * band + 16} px down its square", int(read[cell, slot]) == charset.index(box[0])
+    for box, cell, slot in slot_positions(page, 16, read.shape[1], charset, shift):
+        band = token_cell(page, box, 64) // 64 % 4  # the 16 px row of the square the centre lies in
+        yield f"centre {16 * band}-{16 * band + 16} px down its square", int(read[cell, slot]) == charset.index(box[0])
 
 
 @torch.no_grad()
@@ -78,18 +73,18 @@ def main(argv=None) -> None:
         inputs = {"token": features, "patch": necks.pop()[0].flatten(1).T}
         view_size = page.font_size * 1024 / max(page.image.size)
         band = f"under {args.split_at} px" if view_size < args.split_at else f"{args.split_at} px and over"
-        outputs = {}
+        token_page, outputs = token_view(page), {}
         for name, (head, grid) in heads.items():
             logits = outputs[name] = head(inputs[name])
             slots = logits.shape[-1] // classes
             read = logits.reshape(-1, slots, classes).argmax(-1)
-            target = torch.from_numpy(order_targets(token_view(page), grid, slots, charset, shift) if name == "token"
+            target = torch.from_numpy(order_targets(token_page, grid, slots, charset, shift) if name == "token"
                                       else order_targets(page, grid, slots, charset))
             occupied = target != len(charset)
             tally = counts.setdefault(f"{name}, {band}", [0, 0])
             tally[0] += int((read == target)[occupied].sum())
             tally[1] += int(occupied.sum())
-        for part, right in by_square_band(token_view(page), outputs["token"], charset, shift):
+        for part, right in by_square_band(token_page, outputs["token"], charset, shift):
             tally = counts.setdefault(f"token, {part}", [0, 0])
             tally[0], tally[1] = tally[0] + right, tally[1] + 1
     out = {key: {"accuracy": round(right / total, 3), "slots": total} for key, (right, total) in sorted(counts.items())}

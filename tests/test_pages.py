@@ -121,8 +121,8 @@ def test_char_target_cell_is_box_centre():
 
 
 def test_field_targets_give_a_glyph_low_in_its_square_to_the_token_below():
-    """A token's convs see 3/8 of a square above and left of its own square and nothing below or right: a
-    glyph centred in a square's last 3/8 is the next token's target (pages.FIELD_SHIFT), others stay."""
+    """The middle of what a token's convs see lies 3/8 of a square above and left of its square's: a glyph
+    centred in a square's last 3/8 is the next token's target (pages.FIELD_SHIFT), others stay."""
     boxes = [("A", 20, 300, 40, 330), ("B", 20, 360, 40, 380), ("C", 210, 100, 240, 120)]
     page = pages.Page(image=pages.Image.new("RGB", (512, 512)), text="A\nB C", lines=["A", "B C"],
                       char_boxes=boxes, font="DejaVuSans", font_size=24, source="x")

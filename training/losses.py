@@ -47,16 +47,26 @@ def teacher_forced_logits(model: OCRModel, image_embeds: list[torch.Tensor], tex
     return model.decoder(embeds), target
 
 
+def slot_positions(page, grid: int, slots: int, charset: str = CHARSET, shift: float = 0.0):
+    """(box, cell, slot) for each character of the charset that has a slot: the cell its centre lies in
+    (token_cell, `shift` as there), the cell's slots filled in reading order (the renderer lists boxes
+    line by line, left to right); characters past a cell's last slot have none."""
+    fill = [0] * (grid * grid)
+    for box in page.char_boxes:
+        if box[0] not in charset:
+            continue
+        cell = token_cell(page, box, grid, shift)
+        if fill[cell] < slots:
+            yield box, cell, fill[cell]
+            fill[cell] += 1
+
+
 def order_targets(page, grid: int, slots: int = 6, charset: str = CHARSET, shift: float = 0.0) -> np.ndarray:
     """[grid*grid, slots] class ids: the characters whose centre lies in each cell, in reading
-    order (the renderer lists boxes line by line, left to right); len(charset) marks an empty slot.
-    Unlike char_targets it tells each vision token what it shows *in order*; `shift` as in token_cell."""
+    order (slot_positions); len(charset) marks an empty slot. Unlike char_targets it tells each
+    vision token what it shows *in order*."""
     index = {ch: k for k, ch in enumerate(charset)}
     out = np.full((grid * grid, slots), len(charset), dtype=np.int64)
-    fill = np.zeros(grid * grid, dtype=np.int64)
-    for box in page.char_boxes:
-        cell = token_cell(page, box, grid, shift)
-        if box[0] in index and fill[cell] < slots:
-            out[cell, fill[cell]] = index[box[0]]
-            fill[cell] += 1
+    for box, cell, slot in slot_positions(page, grid, slots, charset, shift):
+        out[cell, slot] = index[box[0]]
     return out
