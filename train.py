@@ -153,6 +153,8 @@ class BaseTraining:
             if own := prefixed(state, name) or prefixed(heads, name):
                 module.load_state_dict(own)
         self.use_order = bool(args.order_weight) and self.train_encoder
+        if not 1 <= args.slot_lines <= args.order_slots:
+            raise SystemExit(f"--slot-lines {args.slot_lines}: give 1 to --order-slots ({args.order_slots}) groups")
         # patch-level reading: the characters of each 16 px patch in reading order, read off SAM's neck (64x64
         # at 1024): teaches the towers glyphs at the scale of ordinary text, under the tokens' coarser targets.
         # A softmax over classes, not a multi-hot presence: with ~190 classes and one or two characters a
@@ -316,8 +318,8 @@ class BaseTraining:
                 aux = F.binary_cross_entropy_with_logits(self.aux_head(feats).float(), aux_target)
                 loss, row["aux_loss"] = loss + args.aux_weight * aux, round(aux.item(), 4)
             if self.use_order:
-                order_target = torch.from_numpy(np.stack([order_targets(p, self.grid, args.order_slots, self.charset, self.shift)
-                                                          for p in token_pages]))
+                order_target = torch.from_numpy(np.stack([order_targets(p, self.grid, args.order_slots, self.charset, self.shift,
+                                                                        args.slot_lines) for p in token_pages]))
                 order_loss = F.cross_entropy(self.order_head(feats).float().reshape(-1, len(self.charset) + 1),
                                              order_target.flatten())
                 loss, row["order_loss"] = loss + args.order_weight * order_loss, round(order_loss.item(), 4)
@@ -363,7 +365,8 @@ class BaseTraining:
                 feats = model.encoder.encode_images([p.image for p in pages], self.mode)  # and self.neck
         if self.use_order:
             row["val_slot_acc"] = round(slot_accuracy(feats, self.order_head, [self.token_view(p) for p in pages], self.grid,
-                                                      args.order_slots, self.charset, bottleneck, self.shift), 4)
+                                                      args.order_slots, self.charset, bottleneck, self.shift,
+                                                      args.slot_lines), 4)
         if self.use_patch:
             row["val_patch_acc"] = round(self.patch_accuracy(self.neck, pages), 4)
         model.encoder.train(self.train_encoder), model.decoder.train(self.train_decoder)
@@ -544,6 +547,8 @@ def main(argv=None, prog: str | None = None) -> None:
                    "token that sees it whole (pages.FIELD_SHIFT), not of the one whose square holds its centre")
     b.add_argument("--line-targets", action="store_true", help="encoder stage: a glyph is a token's target by its "
                    "line's middle, not its own ink's (pages.on_lines): a line's glyphs share a token row")
+    b.add_argument("--slot-lines", type=int, default=1, help="encoder stage: the order head's slots in this many "
+                   "groups, one for each text line a token holds (losses.slot_positions); 1: one run in reading order")
     b.add_argument("--head-hidden", type=int, default=0, help="encoder stage: hidden width of the dense-loss heads (0: linear)")
     b.add_argument("--pages", choices=sorted(PAGE_KINDS), default="small", help="page kind trained and validated on "
                    "(pages.py: small = nano v1's 512 px pages; nano2 = ordinary pages with some small ones)")

@@ -5,7 +5,9 @@ The heads are the run's own (train_state.safetensors of an encoder or joint stag
 --heads-from); the pages are held-out pages of a curriculum level (pages.level_pages). The token head is
 also measured by how far down its 64 px square a glyph's centre lies (a token's convs see 64 px above and
 left of its square and 16 px below and right: pages.FIELD_SHIFT); a run trained with --field-targets or
---line-targets is measured on the targets it learned.
+--line-targets or --slot-lines is measured on the targets it learned. It is also measured by how many text
+lines a glyph's token holds, and with --edge-slack letting a glyph near a token row's edge count on the side
+the head reads better (losses.either_side_targets).
 
     python bench/tower_accuracy.py runs/v4-enc7 --level 0 --pages 24 --split-at 48
 """
@@ -19,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from ocr_latent.checkpoint import load_model
-from ocr_latent.training.losses import order_targets, slot_positions
+from ocr_latent.training.losses import cheaper_side, either_side_targets, order_targets, slot_positions
 from ocr_latent.training.nano import model_charset
 from ocr_latent.training.pages import FIELD_SHIFT, level_pages, load_corpus, on_lines, split_documents, token_cell
 
@@ -36,13 +38,21 @@ def saved_head(state: dict[str, torch.Tensor], name: str) -> torch.nn.Module:
     return head
 
 
-def by_square_band(page, logits: torch.Tensor, charset: str, shift: float):
-    """(how far down its 64 px square a glyph's centre lies, by 16 px bands; whether the token head read it)
-    for each glyph with a slot of the token head."""
+def by_place(page, logits: torch.Tensor, charset: str, shift: float, lines: int):
+    """(where a glyph lies, whether the token head read it) for each glyph with a slot of the token head,
+    where twice: how far down its 64 px square its centre lies (16 px bands), and how many text lines its
+    token holds."""
     read = logits.reshape(256, -1, len(charset) + 1).argmax(-1)
-    for box, cell, slot in slot_positions(page, 16, read.shape[1], charset, shift):
+    placed = list(slot_positions(page, 16, read.shape[1], charset, shift, lines))
+    line_of = dict(zip(page.char_boxes, (k for k, line in enumerate(page.lines) for ch in line if ch != " ")))
+    held: dict[int, set] = {}
+    for box, cell, _ in placed:
+        held.setdefault(cell, set()).add(line_of[box])
+    for box, cell, slot in placed:
         band = token_cell(page, box, 64) // 64 % 4  # the 16 px row of the square the centre lies in
-        yield f"centre {16 * band}-{16 * band + 16} px down its square", int(read[cell, slot]) == charset.index(box[0])
+        right = int(read[cell, slot]) == charset.index(box[0])
+        yield f"centre {16 * band}-{16 * band + 16} px down its square", right
+        yield {1: "1 text line", 2: "2 text lines"}.get(len(held[cell]), "3+ text lines") + " in its token", right
 
 
 @torch.no_grad()
@@ -54,6 +64,8 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=21, help="page stream of the validation split")
     ap.add_argument("--split-at", type=int, default=48, help="glyph size (px in the view) between the two bands")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--edge-slack", type=float, default=0.0, help="also count a glyph within this many px (of the 1024 px "
+                    "view) of the edge between two token rows on the side the head reads better")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = load_model(args.run)
@@ -65,6 +77,7 @@ def main(argv=None) -> None:
     trained = json.loads(meta.read_text()).get("args", {}) if meta.exists() else {}  # the targets the run's heads learned
     shift = FIELD_SHIFT if trained.get("field_targets") else 0.0
     token_view = on_lines if trained.get("line_targets") else (lambda page: page)
+    lines, slack = trained.get("slot_lines", 1), args.edge_slack * 16 / 1024
     necks = []
     model.encoder.sam_model.neck.register_forward_hook(lambda module, inputs, out: necks.append(out))
     counts: dict[str, list[int]] = {}
@@ -73,24 +86,36 @@ def main(argv=None) -> None:
         inputs = {"token": features, "patch": necks.pop()[0].flatten(1).T}
         view_size = page.font_size * 1024 / max(page.image.size)
         band = f"under {args.split_at} px" if view_size < args.split_at else f"{args.split_at} px and over"
-        token_page, outputs = token_view(page), {}
+        token_page, outputs, slots_of = token_view(page), {}, {}
         for name, (head, grid) in heads.items():
             logits = outputs[name] = head(inputs[name])
-            slots = logits.shape[-1] // classes
+            slots = slots_of[name] = logits.shape[-1] // classes
             read = logits.reshape(-1, slots, classes).argmax(-1)
-            target = torch.from_numpy(order_targets(token_page, grid, slots, charset, shift) if name == "token"
+            target = torch.from_numpy(order_targets(token_page, grid, slots, charset, shift, lines) if name == "token"
                                       else order_targets(page, grid, slots, charset))
             occupied = target != len(charset)
             tally = counts.setdefault(f"{name}, {band}", [0, 0])
             tally[0] += int((read == target)[occupied].sum())
             tally[1] += int(occupied.sum())
-        for part, right in by_square_band(token_page, outputs["token"], charset, shift):
+        if slack:  # a line near a row's edge counted on the side the head reads better
+            both = either_side_targets(token_page, 16, slots_of["token"], charset, shift, slack, lines)
+            read = outputs["token"].reshape(256, -1, classes).argmax(-1)
+            target, target_across = torch.from_numpy(both["order"]), torch.from_numpy(both["order_across"])
+            wrong = lambda t: ((read != t) & (t != len(charset))).sum(-1)[None]
+            across = cheaper_side(wrong(target), wrong(target_across), torch.from_numpy(both["group"])[None])[0]
+            target = torch.where(across[:, None], target_across, target)
+            occupied = target != len(charset)
+            tally = counts.setdefault(f"token either side, {band}", [0, 0])
+            tally[0] += int((read == target)[occupied].sum())
+            tally[1] += int(occupied.sum())
+        for part, right in by_place(token_page, outputs["token"], charset, shift, lines):
             tally = counts.setdefault(f"token, {part}", [0, 0])
             tally[0], tally[1] = tally[0] + right, tally[1] + 1
     out = {key: {"accuracy": round(right / total, 3), "slots": total} for key, (right, total) in sorted(counts.items())}
     for key, row in out.items():
-        print(f"{key:>24}: {row['accuracy']:.3f} of {row['slots']} slots")
-    print(json.dumps({"run": args.run, "level": args.level, "pages": args.pages, "seed": args.seed, "accuracy": out}))
+        print(f"{key:>36}: {row['accuracy']:.3f} of {row['slots']} slots")
+    print(json.dumps({"run": args.run, "level": args.level, "pages": args.pages, "seed": args.seed,
+                      "edge_slack_px": slack * 1024 / 16, "accuracy": out}))
 
 
 if __name__ == "__main__":

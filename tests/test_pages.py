@@ -157,6 +157,61 @@ def test_on_lines_gives_a_lines_glyphs_one_middle_and_keeps_a_turned_lines_slope
     assert abs(np.polyfit(xs, ys, 1)[0]) > 0.005  # sloped as the page was turned (tan 1.5 deg = 0.026 at most)
 
 
+def test_slot_groups_by_text_line_start_each_line_of_a_token_at_its_own_slot():
+    """With lines=2 a token's slots are two groups: the first text line met in its square fills the first,
+    later lines the second, so where a line starts does not hang on how many glyphs the line above left."""
+    from ocr_latent.training.losses import order_targets, slot_positions
+
+    # one 128 px square (grid 4, cell 0) holding three short lines: "AB", "C", "DE"
+    boxes = [("A", 10, 10, 30, 30), ("B", 40, 10, 60, 30), ("C", 10, 50, 30, 70), ("D", 10, 90, 30, 110),
+             ("E", 40, 90, 60, 110)]
+    page = pages.Page(image=pages.Image.new("RGB", (512, 512)), text="AB\nC\nDE", lines=["AB", "C", "DE"],
+                      char_boxes=boxes, font="DejaVuSans", font_size=24, source="x")
+    read = lambda t: "".join("." if k == len(pages.CHARSET) else pages.CHARSET[k] for k in t[0])
+    assert read(order_targets(page, 4, 6)) == "ABCDE." == read(order_targets(page, 4, 6, lines=1))
+    assert read(order_targets(page, 4, 6, lines=2)) == "AB.CDE"  # later lines share the last group
+    assert read(order_targets(page, 4, 6, lines=3)) == "ABC.DE"
+    assert read(order_targets(page, 4, 4, lines=2)) == "ABCD"  # a group's slots run out: E has none
+    assert [slot for _, _, slot in slot_positions(page, 4, 4, lines=2)] == [0, 1, 2, 3]
+
+
+def test_a_line_on_a_rows_edge_may_be_the_target_of_either_row_and_the_cheaper_side_is_taken():
+    """across_edges moves the glyphs within the slack of an edge between token rows just across it;
+    either_side_targets gives the targets both ways and groups the cells that change together (a column's),
+    and cheaper_side takes, group by group, the side the heads read at less cost."""
+    import torch
+
+    from ocr_latent.training.losses import cheaper_side, either_side_targets
+
+    # 128 px squares: "AB" centred 4 px into row 1 (slack 8 px moves it into row 0), "C" in row 2's middle,
+    # "D" 4 px above row 3 (moves down into row 3); A, B and D are in columns 0, 1 and 3: three groups
+    boxes = [("A", 10, 120, 30, 144), ("B", 140, 122, 160, 142), ("C", 10, 310, 30, 330), ("D", 400, 370, 420, 390)]
+    page = pages.Page(image=pages.Image.new("RGB", (512, 512)), text="A B\nC\nD", lines=["A B", "C", "D"],
+                      char_boxes=boxes, font="DejaVuSans", font_size=24, source="x")
+    across, moved = pages.across_edges(page, 4, 0.0, 8 / 128)
+    assert moved == [0, 1, 3]
+    assert [pages.token_cell(across, b, 4) for b in across.char_boxes] == [0 * 4 + 0, 0 * 4 + 1, 2 * 4 + 0, 3 * 4 + 3]
+    assert [pages.token_cell(page, b, 4) for b in boxes] == [1 * 4 + 0, 1 * 4 + 1, 2 * 4 + 0, 2 * 4 + 3]
+    assert pages.across_edges(page, 4, 0.0, 0.0) == (page, [])  # no slack: nothing moves
+    t = either_side_targets(page, 4, 2, pages.CHARSET, 0.0, 8 / 128)
+    empty = len(pages.CHARSET)
+    assert t["order"][1 * 4 + 0, 0] == pages.CHARSET.index("A") and t["order_across"][1 * 4 + 0, 0] == empty
+    assert t["order_across"][0 * 4 + 1, 0] == pages.CHARSET.index("B") and t["aux_across"][0 * 4 + 1].sum() == 1
+    groups = t["group"].reshape(4, 4)
+    assert groups[0, 0] == groups[1, 0] == 0 and groups[0, 1] == groups[1, 1] == 1 and groups[2, 3] == groups[3, 3] == 2
+    assert (t["group"] == -1).sum() == 16 - 6 and groups[2, 0] == -1  # "C" has one target
+    changed = (t["order"] != t["order_across"]).any(1) | (t["aux"] != t["aux_across"]).any(1)
+    assert set(np.flatnonzero(changed)) <= set(np.flatnonzero(t["group"] >= 0))
+
+    # the heads read "A" better in row 0, "B" and "D" better where they fall
+    cost, cost_across = torch.ones(1, 16), torch.ones(1, 16)
+    cost_across[0, [0, 4]] = torch.tensor([0.1, 0.0])
+    cost_across[0, [1, 5]] = torch.tensor([0.1, 1.95])
+    cost_across[0, [11, 15]] = 5.0
+    side = cheaper_side(cost, cost_across, torch.from_numpy(t["group"])[None])
+    assert side[0].nonzero().flatten().tolist() == [0, 4]
+
+
 def test_clean_page_has_plain_background_and_boxes_cover_ink(docs):
     stream = pages.PageStream(docs, CLEAN, seed=4)
     for i in range(5):

@@ -127,21 +127,29 @@ def test_staged_base_training_trains_only_its_part_and_resumes(tmp_path, capsys)
     # the towers' reading by glyph size (bench/tower_accuracy.py) with the run's heads: every character of
     # the pages is one occupied slot of each head, so both heads count the same slots
     from bench.tower_accuracy import main as tower_accuracy
-    tower_accuracy([str(enc_run), "--level", "small", "--pages", "2", "--split-at", "60"])
+    tower_accuracy([str(enc_run), "--level", "small", "--pages", "2", "--split-at", "60", "--edge-slack", "16"])
     accuracy = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["accuracy"]
     pages = level_pages(split_documents(load_corpus())["val"], "small", 2, 21)
     assert accuracy["patch, under 60 px"]["slots"] == accuracy["token, under 60 px"]["slots"] == sum(
         1 for p in pages for box in p.char_boxes if box[0] != " ")
+    # lines near a row's edge counted on the side read better: the same glyphs, read no worse
+    either = accuracy["token either side, under 60 px"]
+    assert either["slots"] == accuracy["token, under 60 px"]["slots"]
+    assert either["accuracy"] >= accuracy["token, under 60 px"]["accuracy"]
     assert all(0 <= row["accuracy"] <= 1 for row in accuracy.values())
     # and by how far down its token's square a glyph's centre lies: each glyph once
     bands = {key: row["slots"] for key, row in accuracy.items() if key.startswith("token, centre ")}
     assert 1 <= len(bands) <= 4
-    assert sum(bands.values()) == sum(row["slots"] for key, row in accuracy.items() if key.startswith("token, ") and key not in bands)
+    by_size = sum(accuracy[f"token, {size}"]["slots"] for size in ("under 60 px", "60 px and over") if f"token, {size}" in accuracy)
+    assert sum(bands.values()) == by_size
+    # and by how many text lines its token holds
+    held = {key: row["slots"] for key, row in accuracy.items() if key.endswith(" in its token")}
+    assert 1 <= len(held) <= 3 and sum(held.values()) == by_size
 
     # a widened run (--widen-from) starts from the run's towers at twice SAM's width, with its heads
     wide_run = tmp_path / "wide"
     train.main(["base", "--stage", "encoder", "--widen-from", str(enc_run), "--widen", "sam,clip", "--out", str(wide_run), "--steps", "1",
-                "--order-weight", "1", "--patch-weight", "1", "--field-targets", "--line-targets", *common])
+                "--order-weight", "1", "--patch-weight", "1", "--field-targets", "--line-targets", "--slot-lines", "2", *common])
     wide = load_model(wide_run)
     narrow = load_model(enc_run).encoder.cfg
     assert (wide.encoder.cfg.sam_neck_channels, wide.encoder.cfg.clip_width) == (2 * narrow.sam_neck_channels, 2 * narrow.clip_width)

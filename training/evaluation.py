@@ -58,12 +58,12 @@ def evaluate(model: OCRModel, pages, mode: str, batch: int = 16, quantizer=None,
 
 @torch.no_grad()
 def slot_accuracy(feats: torch.Tensor, order_head, pages, grid: int, slots: int, charset: str,
-                  bottleneck=None, shift: float = 0.0) -> float:
+                  bottleneck=None, shift: float = 0.0, lines: int = 1) -> float:
     """Share of occupied reading-order slots the order head reads right from the pages' tower features (the
     encoder stage's metric), through the bottleneck's codes when there is one."""
     if bottleneck is not None:
         feats = bottleneck.decode(bottleneck.encode(feats))
     pred = order_head(feats).reshape(*feats.shape[:2], slots, -1).argmax(-1)
-    target = torch.from_numpy(np.stack([order_targets(p, grid, slots, charset, shift) for p in pages]))
+    target = torch.from_numpy(np.stack([order_targets(p, grid, slots, charset, shift, lines) for p in pages]))
     occupied = target != len(charset)
     return float((pred == target)[occupied].float().mean())

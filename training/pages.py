@@ -455,6 +455,29 @@ def on_lines(page: Page) -> Page:
     return replace(page, char_boxes=moved)
 
 
+def across_edges(page: Page, grid: int, shift: float, slack: float) -> tuple[Page, list[int]]:
+    """The page with every glyph whose centre lies within `slack` (a fraction of a square) of the edge
+    between two token rows moved just across it (token_cell, `shift` as there), and the indices of the
+    boxes moved. Where a line's middle meets an edge, the tokens on both sides see it about as well, so its
+    glyphs may be the targets of either (losses.either_side_targets)."""
+    w, h = page.image.size
+    side = max(w, h)
+    boxes, moved = list(page.char_boxes), []
+    for i, (ch, x0, y0, x1, y1) in enumerate(boxes):
+        v = ((y0 + y1) / 2 + (side - h) / 2) / side * grid + shift  # in token rows
+        row, into = math.floor(v), v - math.floor(v)
+        if into < slack and 1 <= row < grid:
+            dv = -into - 1e-3  # just into the row above
+        elif into > 1 - slack and 0 <= row < grid - 1:
+            dv = 1 - into + 1e-3  # just into the row below
+        else:
+            continue
+        dy = dv * side / grid
+        boxes[i] = (ch, x0, y0 + dy, x1, y1 + dy)
+        moved.append(i)
+    return replace(page, char_boxes=boxes), moved
+
+
 def char_targets(page: Page, grid: int, charset: str = CHARSET, shift: float = 0.0) -> np.ndarray:
     """Multi-hot [grid*grid, len(charset)] float32: cell (row-major) is 1 for each character whose
     box centre lies in it (token_cell). A dense auxiliary target telling each vision token what it sees."""
