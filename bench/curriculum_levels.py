@@ -4,6 +4,12 @@ mix's ordinary pages) and of nano v1's small pages (`small`): where a curriculum
 
     python bench/curriculum_levels.py runs/v3-joint --levels small,0,1,2,3,4 --pages 6
     python bench/curriculum_levels.py runs/v3-joint4 --levels 0 --pages 16 --seed 21 --split-at 48   # by glyph size
+    python bench/curriculum_levels.py runs/v4-dec12 --levels 0 --pages 64 --seed 21 --by-line  # lines sharing a token row
+
+With --by-line, the pages read as many lines as they have are also scored line by line: the CER of the
+lines that share a row of vision tokens with another line (their middles in one 64 px row of the view, the
+rows as towers trained with --field-targets see them: pages.FIELD_SHIFT) and of the lines that have a row to
+themselves.
 """
 from __future__ import annotations
 
@@ -15,7 +21,18 @@ import torch
 from ocr_latent.checkpoint import load_model
 from ocr_latent.training.evaluation import evaluate
 from ocr_latent.training.manifest import ROOT
-from ocr_latent.training.pages import level_pages, load_corpus, split_documents
+from ocr_latent.training.pages import FIELD_SHIFT, level_pages, load_corpus, on_lines, split_documents, token_cell
+from ocr_latent.training.reading_metrics import edit_distance
+
+
+def lines_sharing_a_row(page) -> list[bool]:
+    """For each text line of a page, whether another line's middle lies in the same row of vision tokens."""
+    boxes, rows = on_lines(page).char_boxes, []
+    for line in page.lines:
+        glyphs, boxes = boxes[:len(line) - line.count(" ")], boxes[len(line) - line.count(" "):]
+        cells = [token_cell(page, box, 16, FIELD_SHIFT) // 16 for box in glyphs]
+        rows.append(max(set(cells), key=cells.count) if cells else None)
+    return [row is not None and rows.count(row) > 1 for row in rows]
 
 
 def main(argv=None) -> None:
@@ -29,6 +46,8 @@ def main(argv=None) -> None:
                     "--advance-at gate reads)")
     ap.add_argument("--split-at", type=int, default=0, help="also the CER of pages under this font size (px) and of "
                     "the rest")
+    ap.add_argument("--by-line", action="store_true", help="also the CER of lines that share a row of vision tokens "
+                    "with another line and of the rest")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, docs, out = load_model(args.model), split_documents(load_corpus())["val"], {}
@@ -43,6 +62,18 @@ def main(argv=None) -> None:
                 cers = [c for c, p in zip(read["cers"], pages) if keep(p.font_size)]
                 out[level][name] = {"pages": len(cers), "cer": round(sum(cers) / len(cers), 3) if cers else None}
                 print(f"    {name}: {out[level][name]}", flush=True)
+        if args.by_line:
+            tally = {"lines sharing a token row": [0, 0, 0], "lines with a token row to themselves": [0, 0, 0]}
+            for hyp, page in zip(read["hyps"], pages):
+                if len(hyp.split("\n")) != len(page.lines):
+                    continue  # a line lost or split: no line-by-line pairing
+                for said, line, shares in zip(hyp.split("\n"), page.lines, lines_sharing_a_row(page)):
+                    t = tally["lines sharing a token row" if shares else "lines with a token row to themselves"]
+                    t[0], t[1], t[2] = t[0] + edit_distance(said, line), t[1] + len(line), t[2] + 1
+            paired = sum(len(h.split("\n")) == len(p.lines) for h, p in zip(read["hyps"], pages))
+            out[level]["by_line"] = {"pages_paired": paired, **{name: {"lines": n, "cer": round(e / c, 3) if c else None}
+                                                                for name, (e, c, n) in tally.items()}}
+            print(f"    line by line ({paired} pages read as many lines as they have): {out[level]['by_line']}", flush=True)
     print(json.dumps({"model": args.model, "pages_per_level": args.pages, "levels": out}))
 
 

@@ -56,10 +56,36 @@ def test_the_curriculum_levels_bench_reads_the_small_pages_and_not_level_0():
     the 40-56 px ordinary pages of the curriculum's level 0 not (its layout is new to v1): the figures
     docs/training.md gives for the v3 run's start."""
     out = subprocess.run([sys.executable, "bench/curriculum_levels.py", "--levels", "small,0", "--pages", "2",
-                          "--max-tokens", "256", "--split-at", "48"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          "--max-tokens", "256", "--split-at", "48", "--by-line"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     levels = json.loads(out.stdout.strip().splitlines()[-1])["levels"]
     assert levels["small"]["cer"] < 0.5 < levels["0"]["cer"] and levels["0"]["chars"] > levels["small"]["chars"]
     # by glyph size: v1's small pages (22-30 px) are all under 48 px; every page is in one band
     assert levels["small"]["under 48 px"] == {"pages": 2, "cer": levels["small"]["cer"]}
     assert levels["0"]["under 48 px"]["pages"] + levels["0"]["48 px and over"]["pages"] == 2
+    # line by line: each line of the pages read as many lines as they have, in one of the two kinds
+    from bench.curriculum_levels import lines_sharing_a_row
+    from ocr_latent.training.pages import level_pages, load_corpus, split_documents
+
+    pages = level_pages(split_documents(load_corpus())["val"], "small", 2, 9)
+    by_line = levels["small"]["by_line"]
+    counted = by_line["lines sharing a token row"]["lines"] + by_line["lines with a token row to themselves"]["lines"]
+    assert 1 <= by_line["pages_paired"] <= 2 and counted <= sum(len(p.lines) for p in pages)
+    assert counted in {len(p.lines) for p in pages} | {sum(len(p.lines) for p in pages)}
+    assert [len(lines_sharing_a_row(p)) for p in pages] == [len(p.lines) for p in pages]
+
+
+def test_lines_sharing_a_row_of_tokens_are_told_from_lines_with_a_row_to_themselves():
+    from PIL import Image
+
+    from bench.curriculum_levels import lines_sharing_a_row
+    from ocr_latent.training.pages import Page
+
+    # a 1024 px page, 64 px token rows; with the field shift (24 px) row 1 holds middles 40-104 px down:
+    # "ab" at 46 and "cd" at 98 share it, "ef" at 200 has row 3 to itself
+    boxes = [(ch, x, y - 10, x + 20, y + 10) for ch, x, y in
+             (("a", 10, 46), ("b", 40, 46), ("c", 10, 98), ("d", 40, 98), ("e", 10, 200), ("f", 40, 200))]
+    page = Page(image=Image.new("RGB", (1024, 1024)), text="ab\ncd\nef", lines=["ab", "cd", "ef"], char_boxes=boxes,
+                font="DejaVuSans", font_size=20, source="x")
+    assert lines_sharing_a_row(page) == [True, True, False]
