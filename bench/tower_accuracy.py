@@ -7,7 +7,7 @@ also measured by how far down its 64 px square a glyph's centre lies (a token's 
 left of its square and 16 px below and right: pages.FIELD_SHIFT); a run trained with --field-targets or
 --line-targets or --slot-lines is measured on the targets it learned. It is also measured by how many text
 lines a glyph's token holds, and with --edge-slack letting a glyph near a token row's edge count on the side
-the head reads better (losses.either_side_targets).
+the head reads better (either_side_target).
 
     python bench/tower_accuracy.py runs/v4-enc7 --level 0 --pages 24 --split-at 48
 """
@@ -21,9 +21,10 @@ import torch
 from safetensors.torch import load_file
 
 from ocr_latent.checkpoint import load_model
-from ocr_latent.training.losses import cheaper_side, either_side_targets, order_targets, slot_positions
+from ocr_latent.training.losses import order_targets, slot_positions
 from ocr_latent.training.nano import model_charset
-from ocr_latent.training.pages import FIELD_SHIFT, level_pages, load_corpus, on_lines, split_documents, token_cell
+from ocr_latent.training.pages import (FIELD_SHIFT, across_edges, level_pages, line_of_boxes, load_corpus, on_lines,
+                                      split_documents, token_cell)
 
 
 def saved_head(state: dict[str, torch.Tensor], name: str) -> torch.nn.Module:
@@ -44,7 +45,7 @@ def by_place(page, logits: torch.Tensor, charset: str, shift: float, lines: int)
     token holds."""
     read = logits.reshape(256, -1, len(charset) + 1).argmax(-1)
     placed = list(slot_positions(page, 16, read.shape[1], charset, shift, lines))
-    line_of = dict(zip(page.char_boxes, (k for k, line in enumerate(page.lines) for ch in line if ch != " ")))
+    line_of = dict(zip(page.char_boxes, line_of_boxes(page)))
     held: dict[int, set] = {}
     for box, cell, _ in placed:
         held.setdefault(cell, set()).add(line_of[box])
@@ -53,6 +54,31 @@ def by_place(page, logits: torch.Tensor, charset: str, shift: float, lines: int)
         right = int(read[cell, slot]) == charset.index(box[0])
         yield f"centre {16 * band}-{16 * band + 16} px down its square", right
         yield {1: "1 text line", 2: "2 text lines"}.get(len(held[cell]), "3+ text lines") + " in its token", right
+
+
+def either_side_target(page, read: torch.Tensor, charset: str, shift: float, slack: float, lines: int) -> torch.Tensor:
+    """The token head's targets [256, slots] with the glyphs within `slack` (a fraction of a square) of the
+    edge between two token rows counted on the side the head reads with fewer errors (`read`: its
+    [256, slots] class ids). Glyphs are moved across (pages.across_edges) a column at a time: a moved
+    glyph's two cells, and every cell chained to them through other moved glyphs, change sides together."""
+    across, moved = across_edges(page, 16, shift, slack)
+    owner = list(range(256))  # union-find over cells
+
+    def root(k: int) -> int:
+        while owner[k] != k:
+            owner[k] = owner[owner[k]]
+            k = owner[k]
+        return k
+
+    for i in moved:
+        owner[root(token_cell(page, page.char_boxes[i], 16, shift))] = root(token_cell(across, across.char_boxes[i], 16, shift))
+    slots = read.shape[1]
+    target = torch.from_numpy(order_targets(page, 16, slots, charset, shift, lines))
+    target_across = torch.from_numpy(order_targets(across, 16, slots, charset, shift, lines))
+    wrong = lambda t: ((read != t) & (t != len(charset))).sum(-1)  # [256]
+    group = torch.tensor([root(c) for c in range(256)])
+    errors = lambda t: torch.zeros(256, dtype=torch.long).scatter_add(0, group, wrong(t))[group]
+    return torch.where((errors(target_across) < errors(target))[:, None], target_across, target)
 
 
 @torch.no_grad()
@@ -86,10 +112,10 @@ def main(argv=None) -> None:
         inputs = {"token": features, "patch": necks.pop()[0].flatten(1).T}
         view_size = page.font_size * 1024 / max(page.image.size)
         band = f"under {args.split_at} px" if view_size < args.split_at else f"{args.split_at} px and over"
-        token_page, outputs, slots_of = token_view(page), {}, {}
+        token_page, outputs = token_view(page), {}
         for name, (head, grid) in heads.items():
             logits = outputs[name] = head(inputs[name])
-            slots = slots_of[name] = logits.shape[-1] // classes
+            slots = logits.shape[-1] // classes
             read = logits.reshape(-1, slots, classes).argmax(-1)
             target = torch.from_numpy(order_targets(token_page, grid, slots, charset, shift, lines) if name == "token"
                                       else order_targets(page, grid, slots, charset))
@@ -97,13 +123,9 @@ def main(argv=None) -> None:
             tally = counts.setdefault(f"{name}, {band}", [0, 0])
             tally[0] += int((read == target)[occupied].sum())
             tally[1] += int(occupied.sum())
-        if slack:  # a line near a row's edge counted on the side the head reads better
-            both = either_side_targets(token_page, 16, slots_of["token"], charset, shift, slack, lines)
+        if slack:  # a glyph near a row's edge counted on the side the head reads better
             read = outputs["token"].reshape(256, -1, classes).argmax(-1)
-            target, target_across = torch.from_numpy(both["order"]), torch.from_numpy(both["order_across"])
-            wrong = lambda t: ((read != t) & (t != len(charset))).sum(-1)[None]
-            across = cheaper_side(wrong(target), wrong(target_across), torch.from_numpy(both["group"])[None])[0]
-            target = torch.where(across[:, None], target_across, target)
+            target = either_side_target(token_page, read, charset, shift, slack, lines)
             occupied = target != len(charset)
             tally = counts.setdefault(f"token either side, {band}", [0, 0])
             tally[0] += int((read == target)[occupied].sum())

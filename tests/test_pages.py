@@ -175,41 +175,35 @@ def test_slot_groups_by_text_line_start_each_line_of_a_token_at_its_own_slot():
     assert [slot for _, _, slot in slot_positions(page, 4, 4, lines=2)] == [0, 1, 2, 3]
 
 
-def test_a_line_on_a_rows_edge_may_be_the_target_of_either_row_and_the_cheaper_side_is_taken():
-    """across_edges moves the glyphs within the slack of an edge between token rows just across it;
-    either_side_targets gives the targets both ways and groups the cells that change together (a column's),
-    and cheaper_side takes, group by group, the side the heads read at less cost."""
+def test_glyphs_on_a_rows_edge_are_counted_on_the_side_the_token_head_reads_them():
+    """across_edges moves the glyphs within the slack of an edge between token rows just across it, and
+    tower_accuracy's either_side_target keeps, column by column, the side the head reads with fewer errors."""
     import torch
 
-    from ocr_latent.training.losses import cheaper_side, either_side_targets
+    from bench.tower_accuracy import either_side_target
 
-    # 128 px squares: "AB" centred 4 px into row 1 (slack 8 px moves it into row 0), "C" in row 2's middle,
-    # "D" 4 px above row 3 (moves down into row 3); A, B and D are in columns 0, 1 and 3: three groups
-    boxes = [("A", 10, 120, 30, 144), ("B", 140, 122, 160, 142), ("C", 10, 310, 30, 330), ("D", 400, 370, 420, 390)]
-    page = pages.Page(image=pages.Image.new("RGB", (512, 512)), text="A B\nC\nD", lines=["A B", "C", "D"],
-                      char_boxes=boxes, font="DejaVuSans", font_size=24, source="x")
-    across, moved = pages.across_edges(page, 4, 0.0, 8 / 128)
+    # 64 px squares: "A" and "B" centred 2 px into row 1 (columns 0 and 1; the slack, 8 px, moves them up
+    # into row 0), "C" in row 2's middle, "D" 4 px above row 4 (column 3; moves down into it)
+    centres = (("A", 10, 66), ("B", 80, 66), ("C", 10, 160), ("D", 200, 252))
+    boxes = [(ch, x - 8, y - 10, x + 8, y + 10) for ch, x, y in centres]
+    page = pages.Page(image=pages.Image.new("RGB", (1024, 1024)), text="A B\nC\nD", lines=["A B", "C", "D"],
+                      char_boxes=boxes, font="DejaVuSans", font_size=20, source="x")
+    across, moved = pages.across_edges(page, 16, 0.0, 8 / 64)
     assert moved == [0, 1, 3]
-    assert [pages.token_cell(across, b, 4) for b in across.char_boxes] == [0 * 4 + 0, 0 * 4 + 1, 2 * 4 + 0, 3 * 4 + 3]
-    assert [pages.token_cell(page, b, 4) for b in boxes] == [1 * 4 + 0, 1 * 4 + 1, 2 * 4 + 0, 2 * 4 + 3]
-    assert pages.across_edges(page, 4, 0.0, 0.0) == (page, [])  # no slack: nothing moves
-    t = either_side_targets(page, 4, 2, pages.CHARSET, 0.0, 8 / 128)
-    empty = len(pages.CHARSET)
-    assert t["order"][1 * 4 + 0, 0] == pages.CHARSET.index("A") and t["order_across"][1 * 4 + 0, 0] == empty
-    assert t["order_across"][0 * 4 + 1, 0] == pages.CHARSET.index("B") and t["aux_across"][0 * 4 + 1].sum() == 1
-    groups = t["group"].reshape(4, 4)
-    assert groups[0, 0] == groups[1, 0] == 0 and groups[0, 1] == groups[1, 1] == 1 and groups[2, 3] == groups[3, 3] == 2
-    assert (t["group"] == -1).sum() == 16 - 6 and groups[2, 0] == -1  # "C" has one target
-    changed = (t["order"] != t["order_across"]).any(1) | (t["aux"] != t["aux_across"]).any(1)
-    assert set(np.flatnonzero(changed)) <= set(np.flatnonzero(t["group"] >= 0))
+    assert [pages.token_cell(page, b, 16) for b in boxes] == [16, 17, 32, 51]
+    assert [pages.token_cell(across, b, 16) for b in across.char_boxes] == [0, 1, 32, 67]
+    assert pages.across_edges(page, 16, 0.0, 0.0) == (page, [])  # no slack: nothing moves
 
-    # the heads read "A" better in row 0, "B" and "D" better where they fall
-    cost, cost_across = torch.ones(1, 16), torch.ones(1, 16)
-    cost_across[0, [0, 4]] = torch.tensor([0.1, 0.0])
-    cost_across[0, [1, 5]] = torch.tensor([0.1, 1.95])
-    cost_across[0, [11, 15]] = 5.0
-    side = cheaper_side(cost, cost_across, torch.from_numpy(t["group"])[None])
-    assert side[0].nonzero().flatten().tolist() == [0, 4]
+    # the head reads "A" in row 0, "B" and "C" where they fall, and misreads "D" on both sides
+    empty, code = len(pages.CHARSET), pages.CHARSET.index
+    read = torch.full((256, 2), empty)
+    read[0, 0], read[17, 0], read[32, 0], read[51, 0] = code("A"), code("B"), code("C"), code("x")
+    target = either_side_target(page, read, pages.CHARSET, 0.0, 8 / 64, 1)
+    occupied = (target[:, 0] != empty).nonzero().flatten().tolist()
+    assert [(c, pages.CHARSET[int(target[c, 0])]) for c in occupied] == [(0, "A"), (17, "B"), (32, "C"), (51, "D")]
+    strict = torch.from_numpy(order_targets(page, 16, 2))
+    right = lambda t: int(((read == t) & (t != empty)).sum())
+    assert (right(strict), right(target)) == (2, 3)
 
 
 def test_clean_page_has_plain_background_and_boxes_cover_ink(docs):

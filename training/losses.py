@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ocr_latent.checkpoint import OCRModel
 from ocr_latent.training.nano import FREE_PROMPT
-from ocr_latent.training.pages import CHARSET, across_edges, char_targets, token_cell
+from ocr_latent.training.pages import CHARSET, line_of_boxes, token_cell
 
 
 def reading_prompt(model: OCRModel) -> str:
@@ -55,10 +55,9 @@ def slot_positions(page, grid: int, slots: int, charset: str = CHARSET, shift: f
     share the last, so where a line's characters start in a cell does not hang on how many the line above
     left in it."""
     per = slots // lines
-    line_of = [k for k, line in enumerate(page.lines) for ch in line if ch != " "]
     met: dict[int, list[int]] = {}  # cell -> the text lines met in it
     fill: dict[tuple[int, int], int] = {}
-    for box, line in zip(page.char_boxes, line_of):
+    for box, line in zip(page.char_boxes, line_of_boxes(page)):
         if box[0] not in charset:
             continue
         cell = token_cell(page, box, grid, shift)
@@ -82,46 +81,3 @@ def order_targets(page, grid: int, slots: int = 6, charset: str = CHARSET, shift
     for box, cell, slot in slot_positions(page, grid, slots, charset, shift, lines):
         out[cell, slot] = index[box[0]]
     return out
-
-
-def either_side_targets(page, grid: int, slots: int, charset: str = CHARSET, shift: float = 0.0,
-                        slack: float = 0.0, lines: int = 1) -> dict[str, np.ndarray]:
-    """The dense targets of a page twice, for a dense loss that lets a glyph whose centre lies within
-    `slack` of a token row's edge (pages.across_edges) be the target of the token on either side:
-    "order"/"aux" as they fall (`lines` as slot_positions'), "order_across"/"aux_across" with those glyphs
-    moved across the edge, and
-    "group" [grid*grid]: -1 where a cell's targets are the same either way, else the id of the cells whose
-    targets change together: a moved glyph's two cells, and cells chained through them down a column."""
-    across, moved = across_edges(page, grid, shift, slack)
-    owner = list(range(grid * grid))  # union-find over cells
-
-    def root(k: int) -> int:
-        while owner[k] != k:
-            owner[k] = owner[owner[k]]
-            k = owner[k]
-        return k
-
-    pairs = [(token_cell(page, page.char_boxes[i], grid, shift), token_cell(across, across.char_boxes[i], grid, shift))
-             for i in moved]
-    for a, b in pairs:
-        owner[root(a)] = root(b)
-    touched = sorted({c for pair in pairs for c in pair})
-    roots = sorted({root(c) for c in touched})
-    group = np.full(grid * grid, -1, dtype=np.int64)
-    for c in touched:
-        group[c] = roots.index(root(c))
-    return {"order": order_targets(page, grid, slots, charset, shift, lines),
-            "order_across": order_targets(across, grid, slots, charset, shift, lines),
-            "aux": char_targets(page, grid, charset, shift), "aux_across": char_targets(across, grid, charset, shift),
-            "group": group}
-
-
-def cheaper_side(cost: torch.Tensor, cost_across: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-    """[B, cells] bool: True where a cell's group of cells (either_side_targets) costs less in sum with its
-    lines across the edge than as they fall; False where the group is -1 (no choice)."""
-    inside = group >= 0
-    if not bool(inside.any()):
-        return inside
-    index = group.clamp(min=0)
-    total = lambda c: torch.zeros(group.shape[0], int(group.max()) + 1).scatter_add(1, index, c.detach().float() * inside)
-    return inside & (total(cost_across) < total(cost)).gather(1, index)

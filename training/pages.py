@@ -439,6 +439,11 @@ def token_cell(page: Page, box: tuple, grid: int, shift: float = 0.0) -> int:
     return min(grid - 1, int(y * grid + shift)) * grid + min(grid - 1, int(x * grid + shift))
 
 
+def line_of_boxes(page: Page) -> list[int]:
+    """The text line (an index into page.lines) of each of the page's character boxes."""
+    return [k for k, line in enumerate(page.lines) for ch in line if ch != " "]
+
+
 def on_lines(page: Page) -> Page:
     """The page with each glyph's box moved up or down to centre on its line: a straight line fitted
     through the centres of the line's glyphs (turned pages' lines slope). A glyph's own ink centre
@@ -459,7 +464,7 @@ def across_edges(page: Page, grid: int, shift: float, slack: float) -> tuple[Pag
     """The page with every glyph whose centre lies within `slack` (a fraction of a square) of the edge
     between two token rows moved just across it (token_cell, `shift` as there), and the indices of the
     boxes moved. Where a line's middle meets an edge, the tokens on both sides see it about as well, so its
-    glyphs may be the targets of either (losses.either_side_targets)."""
+    glyphs may be read by either (bench/tower_accuracy.py --edge-slack)."""
     w, h = page.image.size
     side = max(w, h)
     boxes, moved = list(page.char_boxes), []
