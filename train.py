@@ -30,7 +30,7 @@ from tqdm import tqdm
 from ocr_latent.training import features, quantizer_trainer, self_reading
 from ocr_latent.checkpoint import OCRModel, file_sha256, load_model
 from ocr_latent.training.evaluation import evaluate, pixels_of, slot_accuracy
-from ocr_latent.training.losses import order_targets, teacher_forced_loss
+from ocr_latent.training.losses import lines_held, order_targets, teacher_forced_loss
 from ocr_latent.training.manifest import ROOT, curve_file, data_record, update_manifest
 from ocr_latent.training.nano import grown_nano, model_charset, new_nano, save_run, split_inputs, widened_nano
 from ocr_latent.training.recipe import code_fsq, cosine_to_tenth
@@ -321,7 +321,13 @@ class BaseTraining:
                 order_target = torch.from_numpy(np.stack([order_targets(p, self.grid, args.order_slots, self.charset, self.shift,
                                                                         args.slot_lines) for p in token_pages]))
                 order_loss = F.cross_entropy(self.order_head(feats).float().reshape(-1, len(self.charset) + 1),
-                                             order_target.flatten())
+                                             order_target.flatten(), reduction="none").reshape(order_target.shape)
+                weight = torch.ones(order_target.shape[:2])
+                if args.two_line_weight != 1:  # tokens holding two or more text lines weigh more
+                    held = np.stack([lines_held(p, self.grid, self.charset, self.shift) for p in token_pages])
+                    weight = torch.from_numpy(np.where(held >= 2, args.two_line_weight, 1.0)).float()
+                weight = weight[..., None].expand_as(order_loss)
+                order_loss = (order_loss * weight).sum() / weight.sum()
                 loss, row["order_loss"] = loss + args.order_weight * order_loss, round(order_loss.item(), 4)
             if self.use_patch:
                 neck = self.neck.flatten(2).transpose(1, 2)  # this step's [B, patches, C]
@@ -549,6 +555,8 @@ def main(argv=None, prog: str | None = None) -> None:
                    "line's middle, not its own ink's (pages.on_lines): a line's glyphs share a token row")
     b.add_argument("--slot-lines", type=int, default=1, help="encoder stage: the order head's slots in this many "
                    "groups, one for each text line a token holds (losses.slot_positions); 1: one run in reading order")
+    b.add_argument("--two-line-weight", type=float, default=1.0, help="encoder stage: weight of the order loss of "
+                   "tokens holding two or more text lines (losses.lines_held) against one for the others")
     b.add_argument("--head-hidden", type=int, default=0, help="encoder stage: hidden width of the dense-loss heads (0: linear)")
     b.add_argument("--pages", choices=sorted(PAGE_KINDS), default="small", help="page kind trained and validated on "
                    "(pages.py: small = nano v1's 512 px pages; nano2 = ordinary pages with some small ones)")

@@ -21,10 +21,9 @@ import torch
 from safetensors.torch import load_file
 
 from ocr_latent.checkpoint import load_model
-from ocr_latent.training.losses import order_targets, slot_positions
+from ocr_latent.training.losses import lines_held, order_targets, slot_positions
 from ocr_latent.training.nano import model_charset
-from ocr_latent.training.pages import (FIELD_SHIFT, across_edges, level_pages, line_of_boxes, load_corpus, on_lines,
-                                      split_documents, token_cell)
+from ocr_latent.training.pages import FIELD_SHIFT, across_edges, level_pages, load_corpus, on_lines, split_documents, token_cell
 
 
 def saved_head(state: dict[str, torch.Tensor], name: str) -> torch.nn.Module:
@@ -44,16 +43,12 @@ def by_place(page, logits: torch.Tensor, charset: str, shift: float, lines: int)
     where twice: how far down its 64 px square its centre lies (16 px bands), and how many text lines its
     token holds."""
     read = logits.reshape(256, -1, len(charset) + 1).argmax(-1)
-    placed = list(slot_positions(page, 16, read.shape[1], charset, shift, lines))
-    line_of = dict(zip(page.char_boxes, line_of_boxes(page)))
-    held: dict[int, set] = {}
-    for box, cell, _ in placed:
-        held.setdefault(cell, set()).add(line_of[box])
-    for box, cell, slot in placed:
+    held = lines_held(page, 16, charset, shift)
+    for box, cell, slot in slot_positions(page, 16, read.shape[1], charset, shift, lines):
         band = token_cell(page, box, 64) // 64 % 4  # the 16 px row of the square the centre lies in
         right = int(read[cell, slot]) == charset.index(box[0])
         yield f"centre {16 * band}-{16 * band + 16} px down its square", right
-        yield {1: "1 text line", 2: "2 text lines"}.get(len(held[cell]), "3+ text lines") + " in its token", right
+        yield {1: "1 text line", 2: "2 text lines"}.get(int(held[cell]), "3+ text lines") + " in its token", right
 
 
 def either_side_target(page, read: torch.Tensor, charset: str, shift: float, slack: float, lines: int) -> torch.Tensor:

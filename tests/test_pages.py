@@ -173,6 +173,10 @@ def test_slot_groups_by_text_line_start_each_line_of_a_token_at_its_own_slot():
     assert read(order_targets(page, 4, 6, lines=3)) == "ABC.DE"
     assert read(order_targets(page, 4, 4, lines=2)) == "ABCD"  # a group's slots run out: E has none
     assert [slot for _, _, slot in slot_positions(page, 4, 4, lines=2)] == [0, 1, 2, 3]
+    from ocr_latent.training.losses import lines_held
+
+    assert lines_held(page, 4)[0] == 3 and lines_held(page, 4)[1:].sum() == 0
+    assert lines_held(page, 4, charset="AB")[0] == 1  # only the characters read count
 
 
 def test_glyphs_on_a_rows_edge_are_counted_on_the_side_the_token_head_reads_them():

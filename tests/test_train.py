@@ -149,7 +149,7 @@ def test_staged_base_training_trains_only_its_part_and_resumes(tmp_path, capsys)
     # a widened run (--widen-from) starts from the run's towers at twice SAM's width, with its heads
     wide_run = tmp_path / "wide"
     train.main(["base", "--stage", "encoder", "--widen-from", str(enc_run), "--widen", "sam,clip", "--out", str(wide_run), "--steps", "1",
-                "--order-weight", "1", "--patch-weight", "1", "--field-targets", "--line-targets", "--slot-lines", "2", *common])
+                "--order-weight", "1", "--patch-weight", "1", "--field-targets", "--line-targets", "--slot-lines", "2", "--two-line-weight", "3", *common])
     wide = load_model(wide_run)
     narrow = load_model(enc_run).encoder.cfg
     assert (wide.encoder.cfg.sam_neck_channels, wide.encoder.cfg.clip_width) == (2 * narrow.sam_neck_channels, 2 * narrow.clip_width)

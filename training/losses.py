@@ -81,3 +81,13 @@ def order_targets(page, grid: int, slots: int = 6, charset: str = CHARSET, shift
     for box, cell, slot in slot_positions(page, grid, slots, charset, shift, lines):
         out[cell, slot] = index[box[0]]
     return out
+
+
+def lines_held(page, grid: int, charset: str = CHARSET, shift: float = 0.0) -> np.ndarray:
+    """[grid*grid] how many text lines have a character of the charset centred in each cell (token_cell,
+    `shift` as there)."""
+    held = [set() for _ in range(grid * grid)]
+    for box, line in zip(page.char_boxes, line_of_boxes(page)):
+        if box[0] in charset:
+            held[token_cell(page, box, grid, shift)].add(line)
+    return np.array([len(lines) for lines in held])
