@@ -64,13 +64,15 @@ def main(argv=None) -> None:
                 print(f"    {name}: {out[level][name]}", flush=True)
         if args.by_line:
             tally = {"lines sharing a token row": [0, 0, 0], "lines with a token row to themselves": [0, 0, 0]}
+            paired = 0
             for hyp, page in zip(read["hyps"], pages):
-                if len(hyp.split("\n")) != len(page.lines):
+                said = hyp.split("\n")
+                if len(said) != len(page.lines):
                     continue  # a line lost or split: no line-by-line pairing
-                for said, line, shares in zip(hyp.split("\n"), page.lines, lines_sharing_a_row(page)):
+                paired += 1
+                for said_line, line, shares in zip(said, page.lines, lines_sharing_a_row(page)):
                     t = tally["lines sharing a token row" if shares else "lines with a token row to themselves"]
-                    t[0], t[1], t[2] = t[0] + edit_distance(said, line), t[1] + len(line), t[2] + 1
-            paired = sum(len(h.split("\n")) == len(p.lines) for h, p in zip(read["hyps"], pages))
+                    t[0], t[1], t[2] = t[0] + edit_distance(said_line, line), t[1] + len(line), t[2] + 1
             out[level]["by_line"] = {"pages_paired": paired, **{name: {"lines": n, "cer": round(e / c, 3) if c else None}
                                                                 for name, (e, c, n) in tally.items()}}
             print(f"    line by line ({paired} pages read as many lines as they have): {out[level]['by_line']}", flush=True)

@@ -38,11 +38,10 @@ def saved_head(state: dict[str, torch.Tensor], name: str) -> torch.nn.Module:
     return head
 
 
-def by_place(page, logits: torch.Tensor, charset: str, shift: float, lines: int):
-    """(where a glyph lies, whether the token head read it) for each glyph with a slot of the token head,
-    where twice: how far down its 64 px square its centre lies (16 px bands), and how many text lines its
-    token holds."""
-    read = logits.reshape(256, -1, len(charset) + 1).argmax(-1)
+def by_place(page, read: torch.Tensor, charset: str, shift: float, lines: int):
+    """(where a glyph lies, whether the token head read it; `read`: its [256, slots] class ids) for each
+    glyph with a slot of the token head, where twice: how far down its 64 px square its centre lies (16 px
+    bands), and how many text lines its token holds."""
     held = lines_held(page, 16, charset, shift)
     for box, cell, slot in slot_positions(page, 16, read.shape[1], charset, shift, lines):
         band = token_cell(page, box, 64) // 64 % 4  # the 16 px row of the square the centre lies in
@@ -51,11 +50,13 @@ def by_place(page, logits: torch.Tensor, charset: str, shift: float, lines: int)
         yield {1: "1 text line", 2: "2 text lines"}.get(int(held[cell]), "3+ text lines") + " in its token", right
 
 
-def either_side_target(page, read: torch.Tensor, charset: str, shift: float, slack: float, lines: int) -> torch.Tensor:
-    """The token head's targets [256, slots] with the glyphs within `slack` (a fraction of a square) of the
-    edge between two token rows counted on the side the head reads with fewer errors (`read`: its
-    [256, slots] class ids). Glyphs are moved across (pages.across_edges) a column at a time: a moved
-    glyph's two cells, and every cell chained to them through other moved glyphs, change sides together."""
+def either_side_target(page, read: torch.Tensor, target: torch.Tensor, charset: str, shift: float, slack: float,
+                       lines: int) -> torch.Tensor:
+    """The token head's targets [256, slots] (`target`, as order_targets gives them) with the glyphs within
+    `slack` (a fraction of a square) of the edge between two token rows counted on the side the head reads
+    with fewer errors (`read`: its [256, slots] class ids). Glyphs are moved across (pages.across_edges) a
+    column at a time: a moved glyph's two cells, and every cell chained to them through other moved glyphs,
+    change sides together."""
     across, moved = across_edges(page, 16, shift, slack)
     owner = list(range(256))  # union-find over cells
 
@@ -67,9 +68,7 @@ def either_side_target(page, read: torch.Tensor, charset: str, shift: float, sla
 
     for i in moved:
         owner[root(token_cell(page, page.char_boxes[i], 16, shift))] = root(token_cell(across, across.char_boxes[i], 16, shift))
-    slots = read.shape[1]
-    target = torch.from_numpy(order_targets(page, 16, slots, charset, shift, lines))
-    target_across = torch.from_numpy(order_targets(across, 16, slots, charset, shift, lines))
+    target_across = torch.from_numpy(order_targets(across, 16, read.shape[1], charset, shift, lines))
     wrong = lambda t: ((read != t) & (t != len(charset))).sum(-1)  # [256]
     group = torch.tensor([root(c) for c in range(256)])
     errors = lambda t: torch.zeros(256, dtype=torch.long).scatter_add(0, group, wrong(t))[group]
@@ -107,25 +106,23 @@ def main(argv=None) -> None:
         inputs = {"token": features, "patch": necks.pop()[0].flatten(1).T}
         view_size = page.font_size * 1024 / max(page.image.size)
         band = f"under {args.split_at} px" if view_size < args.split_at else f"{args.split_at} px and over"
-        token_page, outputs = token_view(page), {}
+        token_page, reads, targets = token_view(page), {}, {}
         for name, (head, grid) in heads.items():
-            logits = outputs[name] = head(inputs[name])
+            logits = head(inputs[name])
             slots = logits.shape[-1] // classes
-            read = logits.reshape(-1, slots, classes).argmax(-1)
-            target = torch.from_numpy(order_targets(token_page, grid, slots, charset, shift, lines) if name == "token"
-                                      else order_targets(page, grid, slots, charset))
+            reads[name] = logits.reshape(-1, slots, classes).argmax(-1)
+            targets[name] = torch.from_numpy(order_targets(token_page, grid, slots, charset, shift, lines) if name == "token"
+                                             else order_targets(page, grid, slots, charset))
+        if slack:  # a glyph near a row's edge counted on the side the head reads better
+            reads["token either side"] = reads["token"]
+            targets["token either side"] = either_side_target(token_page, reads["token"], targets["token"], charset, shift,
+                                                              slack, lines)
+        for name, target in targets.items():
             occupied = target != len(charset)
             tally = counts.setdefault(f"{name}, {band}", [0, 0])
-            tally[0] += int((read == target)[occupied].sum())
+            tally[0] += int((reads[name] == target)[occupied].sum())
             tally[1] += int(occupied.sum())
-        if slack:  # a glyph near a row's edge counted on the side the head reads better
-            read = outputs["token"].reshape(256, -1, classes).argmax(-1)
-            target = either_side_target(token_page, read, charset, shift, slack, lines)
-            occupied = target != len(charset)
-            tally = counts.setdefault(f"token either side, {band}", [0, 0])
-            tally[0] += int((read == target)[occupied].sum())
-            tally[1] += int(occupied.sum())
-        for part, right in by_place(token_page, outputs["token"], charset, shift, lines):
+        for part, right in by_place(token_page, reads["token"], charset, shift, lines):
             tally = counts.setdefault(f"token, {part}", [0, 0])
             tally[0], tally[1] = tally[0] + right, tally[1] + 1
     out = {key: {"accuracy": round(right / total, 3), "slots": total} for key, (right, total) in sorted(counts.items())}

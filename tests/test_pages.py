@@ -160,7 +160,7 @@ def test_on_lines_gives_a_lines_glyphs_one_middle_and_keeps_a_turned_lines_slope
 def test_slot_groups_by_text_line_start_each_line_of_a_token_at_its_own_slot():
     """With lines=2 a token's slots are two groups: the first text line met in its square fills the first,
     later lines the second, so where a line starts does not hang on how many glyphs the line above left."""
-    from ocr_latent.training.losses import order_targets, slot_positions
+    from ocr_latent.training.losses import lines_held, order_targets, slot_positions
 
     # one 128 px square (grid 4, cell 0) holding three short lines: "AB", "C", "DE"
     boxes = [("A", 10, 10, 30, 30), ("B", 40, 10, 60, 30), ("C", 10, 50, 30, 70), ("D", 10, 90, 30, 110),
@@ -173,8 +173,6 @@ def test_slot_groups_by_text_line_start_each_line_of_a_token_at_its_own_slot():
     assert read(order_targets(page, 4, 6, lines=3)) == "ABC.DE"
     assert read(order_targets(page, 4, 4, lines=2)) == "ABCD"  # a group's slots run out: E has none
     assert [slot for _, _, slot in slot_positions(page, 4, 4, lines=2)] == [0, 1, 2, 3]
-    from ocr_latent.training.losses import lines_held
-
     assert lines_held(page, 4)[0] == 3 and lines_held(page, 4)[1:].sum() == 0
     assert lines_held(page, 4, charset="AB")[0] == 1  # only the characters read count
 
@@ -202,10 +200,10 @@ def test_glyphs_on_a_rows_edge_are_counted_on_the_side_the_token_head_reads_them
     empty, code = len(pages.CHARSET), pages.CHARSET.index
     read = torch.full((256, 2), empty)
     read[0, 0], read[17, 0], read[32, 0], read[51, 0] = code("A"), code("B"), code("C"), code("x")
-    target = either_side_target(page, read, pages.CHARSET, 0.0, 8 / 64, 1)
+    strict = torch.from_numpy(order_targets(page, 16, 2))
+    target = either_side_target(page, read, strict, pages.CHARSET, 0.0, 8 / 64, 1)
     occupied = (target[:, 0] != empty).nonzero().flatten().tolist()
     assert [(c, pages.CHARSET[int(target[c, 0])]) for c in occupied] == [(0, "A"), (17, "B"), (32, "C"), (51, "D")]
-    strict = torch.from_numpy(order_targets(page, 16, 2))
     right = lambda t: int(((read == t) & (t != empty)).sum())
     assert (right(strict), right(target)) == (2, 3)
 

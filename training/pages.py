@@ -427,15 +427,20 @@ test_pages.__test__ = False  # a helper, not a test, wherever tests import it
 FIELD_SHIFT = 0.375
 
 
-def token_cell(page: Page, box: tuple, grid: int, shift: float = 0.0) -> int:
-    """The vision token (row-major, of grid x grid) whose square of the letterboxed view holds the
-    centre of a character box (base mode scales the page to fit its view and centres it), or with
-    `shift` (a fraction of a square) the token whose square starts that much above and left."""
+def view_centre(page: Page, box: tuple) -> tuple[float, float]:
+    """The centre (x, y) of a character box in fractions of the letterboxed view (base mode scales the
+    page to fit its view and centres it)."""
     _, x0, y0, x1, y1 = box
     w, h = page.image.size
     scale = 1.0 / max(w, h)  # page pixels -> view fractions
-    x = ((x0 + x1) / 2 + (max(w, h) - w) / 2) * scale
-    y = ((y0 + y1) / 2 + (max(w, h) - h) / 2) * scale
+    return ((x0 + x1) / 2 + (max(w, h) - w) / 2) * scale, ((y0 + y1) / 2 + (max(w, h) - h) / 2) * scale
+
+
+def token_cell(page: Page, box: tuple, grid: int, shift: float = 0.0) -> int:
+    """The vision token (row-major, of grid x grid) whose square of the letterboxed view holds the
+    centre of a character box (view_centre), or with `shift` (a fraction of a square) the token whose
+    square starts that much above and left."""
+    x, y = view_centre(page, box)
     return min(grid - 1, int(y * grid + shift)) * grid + min(grid - 1, int(x * grid + shift))
 
 
@@ -465,11 +470,10 @@ def across_edges(page: Page, grid: int, shift: float, slack: float) -> tuple[Pag
     between two token rows moved just across it (token_cell, `shift` as there), and the indices of the
     boxes moved. Where a line's middle meets an edge, the tokens on both sides see it about as well, so its
     glyphs may be read by either (bench/tower_accuracy.py --edge-slack)."""
-    w, h = page.image.size
-    side = max(w, h)
+    side = max(page.image.size)
     boxes, moved = list(page.char_boxes), []
     for i, (ch, x0, y0, x1, y1) in enumerate(boxes):
-        v = ((y0 + y1) / 2 + (side - h) / 2) / side * grid + shift  # in token rows
+        v = view_centre(page, boxes[i])[1] * grid + shift  # in token rows
         row, into = math.floor(v), v - math.floor(v)
         if into < slack and 1 <= row < grid:
             dv = -into - 1e-3  # just into the row above
