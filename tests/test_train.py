@@ -165,6 +165,24 @@ def test_staged_base_training_trains_only_its_part_and_resumes(tmp_path, capsys)
     assert meta["best"] == {"step": 2, "val_cer": meta["curve"][-1]["val_cer"]}
     assert not changed(dec2, params(load_model(dec_run / "best"))[1])
 
+    # a fresh head on the decoder stage's cached tokens (bench/token_probe.py): it reads the held-out cache page and
+    # the held-out documents' pages through the run's towers, every glyph once, by the lines its token holds
+    from bench.token_probe import main as token_probe
+    token_probe([str(dec_run), "--held-out", "1", "--steps", "3", "--batch", "64", "--level", "small", "--pages", "2",
+                 "--slot-lines", "2", "--two-line-weight", "3", "--field-targets", "--line-targets"])
+    probed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert probed["trained_on"] == 3
+    val = probed["accuracy"]["level small, held-out documents"]
+    assert sum(row["slots"] for row in val.values()) == sum(1 for p in pages for box in p.char_boxes if box[0] != " ")
+    assert set(val) <= {"1 text line", "2 text lines", "3+ text lines"} and all(0 <= r["accuracy"] <= 1 for r in val.values())
+    assert sum(row["slots"] for row in probed["accuracy"]["held-out cache pages"].values()) > 0
+    # a cache of other towers is refused, and so is a run without one
+    shutil.copytree(dec_run / "features", wide_run / "features")
+    with pytest.raises(SystemExit, match="cached from other towers"):
+        token_probe([str(wide_run), "--held-out", "1", "--steps", "1"])
+    with pytest.raises(SystemExit, match="no feature cache"):
+        token_probe([str(enc_run), "--steps", "1"])
+
     # towers from one run, the decoder from another (--decoder-from): the wide towers with the decoder stage's
     # decoder (a learning rate of 0 keeps both as they came)
     spliced = tmp_path / "spliced"
