@@ -5,6 +5,7 @@ mix's ordinary pages) and of nano v1's small pages (`small`): where a curriculum
     python bench/curriculum_levels.py runs/v3-joint --levels small,0,1,2,3,4 --pages 6
     python bench/curriculum_levels.py runs/v3-joint4 --levels 0 --pages 16 --seed 21 --split-at 48   # by glyph size
     python bench/curriculum_levels.py runs/v4-dec12 --levels 0 --pages 64 --seed 21 --by-line  # lines sharing a token row
+    python bench/curriculum_levels.py runs/v4-dec12 --levels 0 --pages 16 --seed 21 --by-line --show 8  # and some of them
 
 With --by-line, the pages read as many lines as they have are also scored line by line: the CER of the
 lines that share a row of vision tokens with another line (their middles in one 64 px row of the view, the
@@ -48,6 +49,8 @@ def main(argv=None) -> None:
                     "the rest")
     ap.add_argument("--by-line", action="store_true", help="also the CER of lines that share a row of vision tokens "
                     "with another line and of the rest")
+    ap.add_argument("--show", type=int, default=0, help="with --by-line: also print the first N lines of each kind a "
+                    "level has, as written and as read")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, docs, out = load_model(args.model), split_documents(load_corpus())["val"], {}
@@ -64,6 +67,7 @@ def main(argv=None) -> None:
                 print(f"    {name}: {out[level][name]}", flush=True)
         if args.by_line:
             tally = {"lines sharing a token row": [0, 0, 0], "lines with a token row to themselves": [0, 0, 0]}
+            shown: dict[str, list[dict]] = {name: [] for name in tally}
             paired = 0
             for hyp, page in zip(read["hyps"], pages):
                 said = hyp.split("\n")
@@ -71,11 +75,19 @@ def main(argv=None) -> None:
                     continue  # a line lost or split: no line-by-line pairing
                 paired += 1
                 for said_line, line, shares in zip(said, page.lines, lines_sharing_a_row(page)):
-                    t = tally["lines sharing a token row" if shares else "lines with a token row to themselves"]
+                    kind = "lines sharing a token row" if shares else "lines with a token row to themselves"
+                    t = tally[kind]
                     t[0], t[1], t[2] = t[0] + edit_distance(said_line, line), t[1] + len(line), t[2] + 1
+                    if len(shown[kind]) < args.show:
+                        shown[kind].append({"font_px": page.font_size, "written": line, "read": said_line})
             out[level]["by_line"] = {"pages_paired": paired, **{name: {"lines": n, "cer": round(e / c, 3) if c else None}
                                                                 for name, (e, c, n) in tally.items()}}
             print(f"    line by line ({paired} pages read as many lines as they have): {out[level]['by_line']}", flush=True)
+            for kind, lines in shown.items():
+                for row in lines:
+                    print(f"      {kind}, {row['font_px']} px:\n        written: {row['written']}\n        read:    {row['read']}")
+            if args.show:
+                out[level]["by_line"]["shown"] = shown
     print(json.dumps({"model": args.model, "pages_per_level": args.pages, "levels": out}))
 
 

@@ -56,7 +56,7 @@ def test_the_curriculum_levels_bench_reads_the_small_pages_and_not_level_0():
     the 40-56 px ordinary pages of the curriculum's level 0 not (its layout is new to v1): the figures
     docs/training.md gives for the v3 run's start."""
     out = subprocess.run([sys.executable, "bench/curriculum_levels.py", "--levels", "small,0", "--pages", "2",
-                          "--max-tokens", "256", "--split-at", "48", "--by-line"], cwd=ROOT, capture_output=True, text=True,
+                          "--max-tokens", "256", "--split-at", "48", "--by-line", "--show", "2"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     levels = json.loads(out.stdout.strip().splitlines()[-1])["levels"]
@@ -74,6 +74,12 @@ def test_the_curriculum_levels_bench_reads_the_small_pages_and_not_level_0():
     assert 1 <= by_line["pages_paired"] <= 2 and counted <= sum(len(p.lines) for p in pages)
     assert counted in {len(p.lines) for p in pages} | {sum(len(p.lines) for p in pages)}
     assert [len(lines_sharing_a_row(p)) for p in pages] == [len(p.lines) for p in pages]
+    # --show: lines of the pages, each of the kind it is shown as, at most 2 of a kind
+    for kind, shown in by_line["shown"].items():
+        assert len(shown) == min(2, by_line[kind]["lines"])
+        for row in shown:
+            assert any(row["written"] == line and shares == (kind == "lines sharing a token row")
+                       for p in pages for line, shares in zip(p.lines, lines_sharing_a_row(p)))
 
 
 def test_lines_sharing_a_row_of_tokens_are_told_from_lines_with_a_row_to_themselves():
