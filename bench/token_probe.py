@@ -36,10 +36,11 @@ def cached_pages(run: Path, model):
     shards = sorted((run / "features").glob("features-*.safetensors"))
     if not shards:
         raise SystemExit(f"{run} has no feature cache: give a decoder stage's run (train.py base --stage decoder)")
+    towers = base_fingerprint(model)
     for shard in shards:
         with safe_open(str(shard), "pt") as f:
             key = f.metadata() or {}
-        if key.get("base_fingerprint") != base_fingerprint(model):
+        if key.get("base_fingerprint") != towers:
             raise SystemExit(f"{shard} was cached from other towers than {run}'s: rerun its decoder stage to rebuild it")
         stream = PageStream(training_documents("documents" in key), PAGE_KINDS[key.get("page_kind", "small")],
                             seed=int(key["stream_seed"]))
@@ -110,10 +111,12 @@ def main(argv=None) -> None:
     if len(feats) <= args.held_out:
         raise SystemExit(f"the cache holds {len(feats)} pages: hold out fewer than that (--held-out)")
     split = len(feats) - args.held_out
-    train_held = torch.cat([h for h in held[:split]])
-    with_text = train_held > 0  # empty tokens teach nothing a page's text needs
-    x = torch.cat(feats[:split])[with_text]
-    y, h = torch.cat(target[:split])[with_text], train_held[with_text]
+    # only the tokens holding text, page by page (empty tokens teach nothing a page's text needs; a whole
+    # cache of tokens would be copied once more before the selection)
+    with_text = [n > 0 for n in held[:split]]
+    x = torch.cat([f[keep] for f, keep in zip(feats, with_text)])
+    y = torch.cat([t[keep] for t, keep in zip(target, with_text)])
+    h = torch.cat([n[keep] for n, keep in zip(held, with_text)])
 
     D = x.shape[-1]
     head = torch.nn.Sequential(torch.nn.Linear(D, args.hidden), torch.nn.GELU(), torch.nn.Linear(args.hidden, args.slots * classes))
