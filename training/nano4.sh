@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Nano v4 for ordinary pages, rebuilt from the shipped nano v1 (weights/nano) on any machine, in three stages:
+#
+#   joint    v1 grown (nano.grown_nano: more SAM blocks, a fourth decoder layer, the Latin-1 tokenizer), trained on
+#            the text and the dense per-token and per-patch losses at curriculum level 0 (40-56 px ordinary pages)
+#   encoder  its SAM and CLIP made twice as wide (nano.widened_nano, same function), the towers alone on the dense
+#            losses with the targets that read best (by line, by what a token's convs see, slots by line, two-line
+#            tokens weighted)
+#   decoder  the decoder alone on cached features of those frozen towers
+#
+# Every stage resumes where it stopped, so the same command continues the chain after a stop or on a new session:
+#   RUNS=/work/runs bash training/nano4.sh          # runs/ (git-ignored) by default
+# A finished stage is a no-op on rerun. Figures, and the longer path this condenses, are in docs/training.md
+# ("Nano v4", "Rebuilt in one chain").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUNS=${RUNS:-runs}
+PY=${PY:-.venv/bin/python}
+targets=(--aux-weight 1 --order-weight 1 --order-slots 16 --head-hidden 512 --patch-weight 1
+         --field-targets --line-targets --slot-lines 2 --two-line-weight 4)
+
+$PY train.py base --stage joint --grow-from weights/nano --pages level0 --more-text --out "$RUNS/v4r-joint" \
+  --steps 500 --decay-from 350 --batch 8 --bf16 --threads 2 --eval-every 100 --val-pages 8 --max-tokens 1024 \
+  --save-every 25 "${targets[@]}" --lr 5e-4 --warmup 50 --token-dropout 0.1 --seed 31
+
+$PY train.py base --stage encoder --widen-from "$RUNS/v4r-joint" --widen sam,clip --pages level0 --out "$RUNS/v4r-enc" \
+  --steps 700 --decay-from 450 --batch 8 --bf16 --threads 2 --eval-every 100 --val-pages 8 \
+  --save-every 25 "${targets[@]}" --lr 7e-4 --warmup 30 --seed 32
+
+$PY train.py base --stage decoder --init "$RUNS/v4r-enc" --pages level0 --more-text --out "$RUNS/v4r-dec" \
+  --cache-pages 4096 --steps 1500 --decay-from 1000 --batch 16 --bf16 --threads 2 --eval-every 250 --val-pages 12 \
+  --max-tokens 1024 --save-every 50 --lr 5e-4 --warmup 30 --token-dropout 0.1 --length-groups 8 --keep-best --seed 33
