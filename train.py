@@ -30,7 +30,8 @@ from tqdm import tqdm
 from ocr_latent.training import features, quantizer_trainer, self_reading
 from ocr_latent.checkpoint import OCRModel, file_sha256, load_model
 from ocr_latent.training.evaluation import evaluate, pixels_of, slot_accuracy
-from ocr_latent.training.losses import lines_held, order_targets, teacher_forced_loss
+from ocr_latent.training.losses import (AttentionTap, Pointer, char_cells, lines_held, order_targets, pointer_accuracy,
+                                       teacher_forced_logits, teacher_forced_loss)
 from ocr_latent.training.manifest import ROOT, curve_file, data_record, update_manifest
 from ocr_latent.training.nano import grown_nano, model_charset, new_nano, save_run, split_inputs, widened_nano
 from ocr_latent.training.recipe import code_fsq, cosine_to_tenth
@@ -172,6 +173,7 @@ class BaseTraining:
         self.mode, self.grid = model.config["ocr_latent"]["mode"], model.encoder.cfg.sam_image_size // 64
         self.shift = FIELD_SHIFT if args.field_targets else 0.0  # which token a glyph is the target of
         self.token_view = on_lines if args.line_targets else (lambda page: page)  # by its line's middle, or its own
+        self.pointer_heads = pointer_heads(args.pointer_heads, model.decoder.cfg) if args.pointer_weight else []
         self.bottleneck, self.bottleneck_needs_pca = self.new_bottleneck(state)
         self.params = self.trainable()
         self.opt = torch.optim.AdamW(self.params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
@@ -184,6 +186,10 @@ class BaseTraining:
         if stage == "decoder":
             self.cached, self.cached_texts = features.load(model, args.cache_pages, cache_stream_seed(args.seed),
                                                            self.out / "features", kind=args.pages, more_text=args.more_text)
+            if self.pointer_heads:  # where each cached page's characters lie, as the towers were taught (the shift and view)
+                placement = f"grid {self.grid}, shift {self.shift}, on lines {args.line_targets}, charset {self.charset}"
+                self.cached_cells = features.cells(self.cached_texts, cache_stream_seed(args.seed), self.out / "features",
+                                                   args.pages, args.more_text, self.page_cells, placement)
             if self.bottleneck_needs_pca:
                 self.bottleneck.init_from_pca(self.cached[:256].float())
                 self.bottleneck_needs_pca = False
@@ -276,13 +282,22 @@ class BaseTraining:
 
     def cached_batch(self, step: int):
         """A fresh permutation of the cache each epoch; with --length-groups G, pages of like length
-        share a batch (a padded batch costs as much as its longest page times its size)."""
+        share a batch (a padded batch costs as much as its longest page times its size). Returns the
+        features, texts and (with --pointer-weight) the pages' char_cells."""
         args = self.args
         if args.length_groups > 1:
             idx = length_grouped_batch([len(t) for t in self.cached_texts], args.batch, step, args.seed, args.length_groups)
         else:
             idx = features.epoch_batch(len(self.cached_texts), args.batch, step, args.seed)
-        return self.cached[idx].float(), [self.cached_texts[i] for i in idx]
+        cells = [self.cached_cells[i] for i in idx] if self.pointer_heads else None
+        return self.cached[idx].float(), [self.cached_texts[i] for i in idx], cells
+
+    def page_cells(self, page) -> list[int]:
+        """char_cells of a page as the towers' dense losses place its characters (--field-targets, --line-targets)."""
+        return char_cells(self.token_view(page), self.grid, self.shift, self.charset)
+
+    def pointer(self, cells) -> Pointer | None:
+        return Pointer(self.pointer_heads, cells, self.grid) if self.pointer_heads else None
 
     def learning_rate(self, step: int) -> float:
         args = self.args
@@ -297,21 +312,25 @@ class BaseTraining:
         row, loss = {"step": step + 1}, torch.zeros(())
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             if self.stage == "decoder":
-                feats, texts = self.cached_batch(step)
+                feats, texts, cells = self.cached_batch(step)
                 if bottleneck:  # the decoder learns to read the projection, rounded to the codes' levels or not
                     feats = through_bottleneck(bottleneck, feats, args.bottleneck_rounded)
             else:
                 pages, pixels = (self.prefetch.pop(step) if step in self.prefetch else self.loader.submit(self.page_batch, step)).result()
                 self.prefetch[step + 1] = self.loader.submit(self.page_batch, step + 1)
                 feats, texts = model.encoder(pixels), [p.text for p in pages]
+                cells = [self.page_cells(p) for p in pages] if self.pointer_heads else None
                 if bottleneck:  # the heads read the projection, rounded to the codes' levels or not
                     if self.bottleneck_needs_pca:
                         bottleneck.init_from_pca(feats.detach().float())
                         self.bottleneck_needs_pca = False
                     feats = through_bottleneck(bottleneck, feats, args.bottleneck_rounded)
             if self.train_decoder:
-                text = teacher_forced_loss(model, [model.decoder.layout_image(f) for f in feats], texts, args.token_dropout)
+                text, pointer = teacher_forced_loss(model, [model.decoder.layout_image(f) for f in feats], texts,
+                                                    args.token_dropout, self.pointer(cells))
                 loss, row["text_loss"] = loss + text, round(text.item(), 4)
+                if pointer is not None:
+                    loss, row["pointer_loss"] = loss + args.pointer_weight * pointer, round(pointer.item(), 4)
             if self.train_encoder:
                 token_pages = [self.token_view(p) for p in pages]
                 aux_target = torch.from_numpy(np.stack([char_targets(p, self.grid, self.charset, self.shift) for p in token_pages]))
@@ -369,6 +388,8 @@ class BaseTraining:
         if self.use_order or self.use_patch:  # the validation pages through the towers once, for both heads
             with torch.no_grad():
                 feats = model.encoder.encode_images([p.image for p in pages], self.mode)  # and self.neck
+        if self.pointer_heads:
+            row["val_pointer_acc"] = round(self.pointer_accuracy(self.val_pages), 4)
         if self.use_order:
             row["val_slot_acc"] = round(slot_accuracy(feats, self.order_head, [self.token_view(p) for p in pages], self.grid,
                                                       args.order_slots, self.charset, bottleneck, self.shift,
@@ -377,6 +398,21 @@ class BaseTraining:
             row["val_patch_acc"] = round(self.patch_accuracy(self.neck, pages), 4)
         model.encoder.train(self.train_encoder), model.decoder.train(self.train_decoder)
         return row
+
+    @torch.no_grad()
+    def pointer_accuracy(self, pages: list) -> float:
+        """Share of the validation pages' characters at whose token the guided heads look most, teacher-forced."""
+        model, hits = self.model, []
+        for i in range(0, len(pages), 4):
+            chunk = pages[i:i + 4]
+            feats = model.encoder.encode_images([p.image for p in chunk], self.mode)
+            if self.bottleneck:
+                feats = self.bottleneck(feats)
+            pointer = self.pointer([self.page_cells(p) for p in chunk])
+            with AttentionTap(model.decoder, {layer for layer, _ in pointer.heads}) as tap:
+                _, target = teacher_forced_logits(model, [model.decoder.layout_image(f) for f in feats], [p.text for p in chunk])
+            hits.append(pointer_accuracy(tap, pointer, target))
+        return sum(hits) / max(1, len(hits))
 
     @torch.no_grad()
     def patch_accuracy(self, neck: torch.Tensor, pages: list) -> float:
@@ -452,6 +488,21 @@ class BaseTraining:
                 self.save()
         bar.close()
         self.loader.shutdown(cancel_futures=True)
+
+
+def pointer_heads(spec: str, cfg) -> list[tuple[int, int]]:
+    """--pointer-heads "L:H,...": (layer, head) pairs; empty: head 0 of every layer but the first, whose queries know
+    only their own character (a pointer needs the lower layers' reading of where the last character was)."""
+    if not spec:
+        return [(layer, 0) for layer in range(1, cfg.num_hidden_layers)]
+    try:
+        heads = [tuple(int(n) for n in item.split(":")) for item in spec.split(",")]
+    except ValueError:
+        heads = [()]
+    if any(len(h) != 2 or not (0 <= h[0] < cfg.num_hidden_layers and 0 <= h[1] < cfg.num_attention_heads) for h in heads):
+        raise SystemExit(f"--pointer-heads {spec}: give layer:head pairs, layers 0-{cfg.num_hidden_layers - 1}, "
+                         f"heads 0-{cfg.num_attention_heads - 1}, e.g. 1:0,2:0")
+    return heads
 
 
 def train_base(args) -> None:
@@ -549,14 +600,19 @@ def main(argv=None, prog: str | None = None) -> None:
     b.add_argument("--levels", type=int, default=16)
     b.add_argument("--heads-from", help="a new run: start the dense-loss heads from this run's (same --head-hidden, "
                    "--order-slots and tokenizer)")
-    b.add_argument("--field-targets", action="store_true", help="encoder stage: a glyph is the dense-loss target of the "
-                   "token that sees it whole (pages.FIELD_SHIFT), not of the one whose square holds its centre")
-    b.add_argument("--line-targets", action="store_true", help="encoder stage: a glyph is a token's target by its "
-                   "line's middle, not its own ink's (pages.on_lines): a line's glyphs share a token row")
+    b.add_argument("--field-targets", action="store_true", help="encoder stage and the pointer loss: a glyph is the "
+                   "dense-loss target of the token that sees it whole (pages.FIELD_SHIFT), not of the one whose square holds its centre")
+    b.add_argument("--line-targets", action="store_true", help="encoder stage and the pointer loss: a glyph is a "
+                   "token's target by its line's middle, not its own ink's (pages.on_lines): a line's glyphs share a token row")
     b.add_argument("--slot-lines", type=int, default=1, help="encoder stage: the order head's slots in this many "
                    "groups, one for each text line a token holds (losses.slot_positions); 1: one run in reading order")
     b.add_argument("--two-line-weight", type=float, default=1.0, help="encoder stage: weight of the order loss of "
                    "tokens holding two or more text lines (losses.lines_held) against one for the others")
+    b.add_argument("--pointer-weight", type=float, default=0.0, help="joint/decoder stage: weight of the pointer loss "
+                   "(losses.pointer_loss): guided heads attend, at each text position, to the vision token showing the "
+                   "character it predicts, placed as --field-targets/--line-targets say")
+    b.add_argument("--pointer-heads", default="", help="with --pointer-weight: layer:head pairs guided (default: head 0 "
+                   "of every layer but the first)")
     b.add_argument("--head-hidden", type=int, default=0, help="encoder stage: hidden width of the dense-loss heads (0: linear)")
     b.add_argument("--pages", choices=sorted(PAGE_KINDS), default="small", help="page kind trained and validated on "
                    "(pages.py: small = nano v1's 512 px pages; nano2 = ordinary pages with some small ones)")

@@ -344,3 +344,67 @@ def test_the_joint_curriculum_goes_up_a_level_only_when_the_level_reads(tmp_path
     train.main([*flags, "--heads-from", str(run)])
     heads = lambda path: {k: v for k, v in load_file(str(path / "train_state.safetensors")).items() if k.startswith(("aux.", "order."))}
     assert heads(fresh).keys() == heads(run).keys() and all(torch.equal(v, heads(run)[k]) for k, v in heads(fresh).items())
+
+
+def test_each_character_of_a_page_is_placed_in_the_token_its_box_lies_in():
+    from ocr_latent.training.losses import char_cells
+    from ocr_latent.training.pages import FIELD_SHIFT, on_lines, token_cell
+    page = level_pages(split_documents(load_corpus())["val"], 0, 1)[0]
+    for view, shift in ((page, 0.0), (on_lines(page), FIELD_SHIFT)):
+        cells = char_cells(view, 16, shift)
+        assert len(cells) == len(page.text)
+        glyphs = [c for ch, c in zip(page.text, cells) if ch not in " \n"]
+        assert glyphs == [token_cell(view, box, 16, shift) for box in view.char_boxes]
+        assert all(c == -1 for ch, c in zip(page.text, cells) if ch in " \n") and all(0 <= c < 256 for c in glyphs)
+    assert char_cells(on_lines(page), 16, FIELD_SHIFT) != char_cells(page, 16)  # the placement is the run's choice
+
+
+def test_the_pointer_loss_reads_the_attention_the_decoder_computes():
+    """AttentionTap's attention of a head, times that head's values, is what the layer hands its output projection;
+    each guided position's key is the vision token showing the character it predicts."""
+    from ocr_latent.training.losses import AttentionTap, Pointer, char_cells, pointer_accuracy, pointer_loss, pointer_targets, \
+        teacher_forced_logits
+    model = load_model(NANO)
+    stream = PageStream(split_documents(load_corpus())["train"], PageSpec(), seed=7)
+    pages = [stream[i] for i in range(2)]
+    kept = {}
+    attn = model.decoder.layers[2].self_attn
+    hooks = [attn.v_proj.register_forward_hook(lambda m, i, out: kept.__setitem__("v", out)),
+             attn.o_proj.register_forward_hook(lambda m, i, out: kept.__setitem__("heads", i[0]))]
+    pointer = Pointer([(1, 0), (2, 3)], [char_cells(p, 16) for p in pages], 16)
+    with torch.no_grad(), AttentionTap(model.decoder, {1, 2}) as tap:
+        feats = model.encoder.encode_images([p.image for p in pages], "base")
+        _, target = teacher_forced_logits(model, [model.decoder.layout_image(f) for f in feats], [p.text for p in pages])
+        loss, accuracy = pointer_loss(tap, pointer, target), pointer_accuracy(tap, pointer, target)
+    for hook in hooks:
+        hook.remove()
+    d = model.decoder.cfg.head_dim
+    queries, keys = pointer_targets(pointer, target, 1)
+    attention = tap.log_attention(2, 3, 1, queries).exp()
+    torch.testing.assert_close(attention @ kept["v"][1, :, 3 * d:4 * d], kept["heads"][1, queries, 3 * d:4 * d])
+    # one query for each character a token shows, at the position that predicts it; keys are image positions
+    text = pages[1].text
+    assert len(queries) == sum(1 for ch in text if ch not in " \n") and int(target[1, queries[0]]) == model.tokenizer.encode(
+        text[0], add_special_tokens=False).ids[0]
+    assert ((keys >= 1) & (keys < 1 + 16 * 17)).all() and not ((keys % 17) == 0).any()  # never a row's newline
+    # v1 learned a pointer of its own in its last layer (head 3), none in layer 1
+    assert 0 < loss.item() and 0.3 < accuracy < 0.5
+
+
+@pytest.mark.slow  # trains
+def test_a_decoder_stage_with_the_pointer_loss_teaches_its_heads_where_to_look(tmp_path):
+    """Guided heads that start looking elsewhere (v1's head 0 of layers 1 and 2 point at the right token for
+    under 1 % of the characters) learn to look at the token showing the character they predict."""
+    run = tmp_path / "dec"
+    train.main(["base", "--stage", "decoder", "--init", str(NANO), "--out", str(run), "--steps", "8", "--batch", "4",
+                "--cache-pages", "4", "--val-pages", "2", "--eval-every", "4", "--threads", "2", "--save-every", "4",
+                "--lr", "3e-3", "--warmup", "1", "--pointer-weight", "1", "--pointer-heads", "1:0,2:0"])
+    curve = [row for row in json.loads((run / "train_meta.json").read_text())["curve"] if "pointer_loss" in row]
+    assert [row["step"] for row in curve] == [4, 8]
+    assert curve[1]["pointer_loss"] < 0.7 * curve[0]["pointer_loss"]  # the same 4 pages every step
+    assert 0.05 < curve[1]["val_pointer_acc"] <= 1  # and on held-out pages
+    cells = json.loads((run / "features" / "cells.json").read_text())
+    assert len(cells["cells"]) == 4 and cells["placement"].startswith("grid 16, shift 0.0")
+    with pytest.raises(SystemExit, match="layer:head pairs"):
+        train.main(["base", "--stage", "decoder", "--init", str(NANO), "--out", str(tmp_path / "bad"), "--steps", "1",
+                    "--cache-pages", "4", "--pointer-weight", "1", "--pointer-heads", "3:0"])

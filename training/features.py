@@ -11,6 +11,7 @@ page, so a cache is never read for towers or pages it was not made from.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from pathlib import Path
 
@@ -89,6 +90,31 @@ def load(model: OCRModel, pages: int, seed: int, out: Path, kind: str = "small",
         feats.append(load_file(str(shard_path(out, i)))["features"])
         texts += json.loads(shard_path(out, i).with_suffix(".json").read_text())
     return torch.cat(feats)[:pages], texts[:pages]
+
+
+def cells(texts: list[str], seed: int, out: Path, kind: str, more_text: bool, page_cells, placement: str) -> list[list[int]]:
+    """`page_cells(page)` (losses.char_cells as a run places characters, which `placement` names) of each cached
+    page, in cache order. The cache keeps only features and texts, so the pages are rendered again (a pure
+    function of the stream) and the result kept beside the shards, for the same pages, texts and placement only."""
+    path = out / "cells.json"
+    key = {"texts_sha256": _texts_hash(texts), "page_kind": kind, "placement": placement}
+    if path.exists():
+        kept = json.loads(path.read_text())
+        if {k: kept.get(k) for k in key} == key:
+            return kept["cells"]
+    stream = PageStream(training_documents(more_text), PAGE_KINDS[kind], seed=seed)
+    result = []
+    for i, text in enumerate(tqdm(texts, desc="character cells", dynamic_ncols=True)):
+        page = stream[i]
+        if page.text != text:
+            raise RuntimeError(f"{out}: cached page {i} is not page {i} of its stream; delete the cache to rebuild it")
+        result.append(page_cells(page))
+    path.write_text(json.dumps(key | {"cells": result}))
+    return result
+
+
+def _texts_hash(texts: list[str]) -> str:
+    return hashlib.sha256(json.dumps(texts).encode()).hexdigest()
 
 
 def epoch_batch(pages: int, batch: int, step: int, seed: int) -> list[int]:

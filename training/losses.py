@@ -2,11 +2,14 @@
 image embeddings, and the targets of the towers' dense per-token losses."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ocr_latent.checkpoint import OCRModel
+from ocr_latent.decoder import Decoder, rope
 from ocr_latent.training.nano import FREE_PROMPT
 from ocr_latent.training.pages import CHARSET, line_of_boxes, token_cell
 
@@ -17,12 +20,15 @@ def reading_prompt(model: OCRModel) -> str:
 
 
 def teacher_forced_loss(model: OCRModel, image_embeds: list[torch.Tensor], texts: list[str],
-                        token_dropout: float = 0.0) -> torch.Tensor:
-    """Mean cross-entropy of the page text (and EOS) given BOS + image + prompt, as the decoder reads it.
+                        token_dropout: float = 0.0, pointer: "Pointer | None" = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Mean cross-entropy of the page text (and EOS) given BOS + image + prompt, as the decoder reads it,
+    and with `pointer` the pointer loss of the same forward (else None).
     token_dropout replaces that share of the *input* text tokens by the pad token: a decoder that
     cannot lean on its own language model has to read the image (against posterior collapse)."""
-    logits, target = teacher_forced_logits(model, image_embeds, texts, token_dropout)
-    return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
+    with AttentionTap(model.decoder, {layer for layer, _ in pointer.heads} if pointer else set()) as tap:
+        logits, target = teacher_forced_logits(model, image_embeds, texts, token_dropout)
+    text = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
+    return text, pointer_loss(tap, pointer, target) if pointer else None
 
 
 def teacher_forced_logits(model: OCRModel, image_embeds: list[torch.Tensor], texts: list[str],
@@ -91,3 +97,90 @@ def lines_held(page, grid: int, charset: str = CHARSET, shift: float = 0.0) -> n
         if box[0] in charset:
             held[token_cell(page, box, grid, shift)].add(line)
     return np.array([len(lines) for lines in held])
+
+
+def char_cells(page, grid: int, shift: float = 0.0, charset: str = CHARSET) -> list[int]:
+    """The vision token (row-major; token_cell, `shift` as there) that each character of page.text lies in,
+    in order: where a decoder writing that character should look. -1 for spaces, line breaks and characters
+    outside the charset, which no token shows."""
+    boxes, cells = iter(page.char_boxes), []
+    for ch in page.text:
+        box = None if ch in " \n" else next(boxes)
+        cells.append(token_cell(page, box, grid, shift) if box is not None and box[0] in charset else -1)
+    return cells
+
+
+class AttentionTap:
+    """The queries and keys of some decoder layers' attention, kept as a forward runs (hooks on q_proj and
+    k_proj), so a loss can read chosen heads' attention without a second forward or a change to the model."""
+
+    def __init__(self, decoder: Decoder, layers: set[int]):
+        self.decoder, self.q, self.k = decoder, {}, {}
+        attn = [decoder.layers[i].self_attn for i in sorted(layers)]
+        self.hooks = [proj.register_forward_hook(lambda _m, _i, out, i=i, store=store: store.__setitem__(i, out))
+                      for i, a in zip(sorted(layers), attn) for proj, store in ((a.q_proj, self.q), (a.k_proj, self.k))]
+
+    def __enter__(self) -> "AttentionTap":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+    def log_attention(self, layer: int, head: int, row: int, queries: torch.Tensor) -> torch.Tensor:
+        """[len(queries), T] fp32 log-probabilities of head `head` of layer `layer`, at positions `queries` of
+        sequence `row`, over that sequence's positions (causal, RoPE as the decoder applies it)."""
+        d = self.decoder.cfg.head_dim
+        q = self.q[layer][row, :, head * d:(head + 1) * d].float()
+        k = self.k[layer][row, :, head * d:(head + 1) * d].float()
+        cos, sin = self.decoder.rope_tables(q.device)
+        T = k.shape[0]
+        q = rope(q[queries], cos[queries], sin[queries])
+        k = rope(k, cos[:T], sin[:T])
+        scores = (q @ k.T) * d ** -0.5
+        later = torch.arange(T, device=q.device)[None] > queries[:, None]
+        return scores.masked_fill(later, float("-inf")).log_softmax(-1)
+
+
+@dataclass
+class Pointer:
+    """What the pointer loss guides: heads (layer, head) and, for each page of a batch, char_cells of its text."""
+    heads: list[tuple[int, int]]
+    cells: list[list[int]]
+    grid: int
+
+
+def pointer_targets(pointer: Pointer, target: torch.Tensor, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query positions, key positions) of sequence `row`: each text position that predicts a character some
+    token shows, and that token's position in the decoder's input (after BOS, rows of `grid` tokens and a
+    newline each: Decoder.layout_image)."""
+    scored = (target[row] != -100).nonzero().flatten()  # the positions predicting text[0], text[1], ..., EOS
+    cells = torch.tensor(pointer.cells[row], dtype=torch.long)
+    queries, cells = scored[:len(cells)][cells >= 0], cells[cells >= 0]
+    return queries, 1 + (cells // pointer.grid) * (pointer.grid + 1) + cells % pointer.grid
+
+
+def pointer_loss(tap: AttentionTap, pointer: Pointer, target: torch.Tensor) -> torch.Tensor:
+    """Mean -log of the attention each guided head gives, at each text position, to the vision token showing the
+    character that position predicts. Which token to read next is what a small decoder fails to learn where two
+    text lines share a row of tokens (it reads the line's first characters, then writes its own); the towers'
+    targets say where every character is, so the decoder can be told."""
+    losses = []
+    for row in range(target.shape[0]):
+        queries, keys = pointer_targets(pointer, target, row)
+        if len(queries):
+            for layer, head in pointer.heads:
+                logp = tap.log_attention(layer, head, row, queries)
+                losses.append(-logp[torch.arange(len(keys)), keys])
+    return torch.cat(losses).mean() if losses else torch.zeros(())
+
+
+def pointer_accuracy(tap: AttentionTap, pointer: Pointer, target: torch.Tensor) -> float:
+    """Share of the guided positions (over all guided heads) whose head attends most to the right token."""
+    right = total = 0
+    for row in range(target.shape[0]):
+        queries, keys = pointer_targets(pointer, target, row)
+        for layer, head in pointer.heads if len(queries) else ():
+            right += int((tap.log_attention(layer, head, row, queries).argmax(-1) == keys).sum())
+            total += len(keys)
+    return right / max(1, total)
