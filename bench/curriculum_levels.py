@@ -22,18 +22,8 @@ import torch
 from ocr_latent.checkpoint import load_model
 from ocr_latent.training.evaluation import evaluate
 from ocr_latent.training.manifest import ROOT
-from ocr_latent.training.pages import (FIELD_SHIFT, level_pages, line_of_boxes, load_corpus, on_lines, split_documents,
-                                      token_cell)
+from ocr_latent.training.pages import level_pages, lines_sharing_a_row, load_corpus, split_documents
 from ocr_latent.training.reading_metrics import edit_distance
-
-
-def lines_sharing_a_row(page) -> list[bool]:
-    """For each text line of a page, whether another line's middle lies in the same row of vision tokens."""
-    rows: list[list[int]] = [[] for _ in page.lines]  # each line's glyphs' token rows
-    for box, line in zip(on_lines(page).char_boxes, line_of_boxes(page)):
-        rows[line].append(token_cell(page, box, 16, FIELD_SHIFT) // 16)
-    row = [max(set(r), key=r.count) if r else None for r in rows]
-    return [r is not None and row.count(r) > 1 for r in row]
 
 
 def main(argv=None) -> None:

@@ -65,8 +65,7 @@ def test_the_curriculum_levels_bench_reads_the_small_pages_and_not_level_0():
     assert levels["small"]["under 48 px"] == {"pages": 2, "cer": levels["small"]["cer"]}
     assert levels["0"]["under 48 px"]["pages"] + levels["0"]["48 px and over"]["pages"] == 2
     # line by line: each line of the pages read as many lines as they have, in one of the two kinds
-    from bench.curriculum_levels import lines_sharing_a_row
-    from ocr_latent.training.pages import level_pages, load_corpus, split_documents
+    from ocr_latent.training.pages import level_pages, lines_sharing_a_row, load_corpus, split_documents
 
     pages = level_pages(split_documents(load_corpus())["val"], "small", 2, 9)
     by_line = levels["small"]["by_line"]
@@ -85,7 +84,7 @@ def test_the_curriculum_levels_bench_reads_the_small_pages_and_not_level_0():
 def test_lines_sharing_a_row_of_tokens_are_told_from_lines_with_a_row_to_themselves():
     from PIL import Image
 
-    from bench.curriculum_levels import lines_sharing_a_row
+    from ocr_latent.training.pages import lines_sharing_a_row
     from ocr_latent.training.pages import Page
 
     # a 1024 px page, 64 px token rows; with the field shift (24 px) row 1 holds middles 40-104 px down:
@@ -95,3 +94,20 @@ def test_lines_sharing_a_row_of_tokens_are_told_from_lines_with_a_row_to_themsel
     page = Page(image=Image.new("RGB", (1024, 1024)), text="ab\ncd\nef", lines=["ab", "cd", "ef"], char_boxes=boxes,
                 font="DejaVuSans", font_size=20, source="x")
     assert lines_sharing_a_row(page) == [True, True, False]
+
+
+def test_the_pointer_heads_bench_finds_the_head_v1_reads_with(capsys):
+    """v1's decoder learned a pointer of its own: a head of its last layer looks at the token showing the character
+    it writes for most characters; no head of layer 1 does. Every character a token shows is counted once, as
+    on a line sharing a token row or on one with a row to itself."""
+    from bench.pointer_heads import main as pointer_heads
+    from ocr_latent.training.pages import level_pages, load_corpus, split_documents
+    pointer_heads(["--level", "small", "--pages", "3"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    heads = report["heads"]
+    assert len(heads) == 3 and all(len(row) == 4 for row in heads)
+    assert max(heads[1]) < 0.05 and max(heads[2]) > 0.5
+    last = report["best"][f"layer 2, head {heads[2].index(max(heads[2]))}"]
+    pages = level_pages(split_documents(load_corpus())["val"], "small", 3, 21)
+    assert last["all"]["chars"] == sum(1 for p in pages for ch in p.text if ch not in " \n")
+    assert last["lines sharing a token row"]["chars"] + last["lines with a token row to themselves"]["chars"] == last["all"]["chars"]

@@ -465,6 +465,16 @@ def on_lines(page: Page) -> Page:
     return replace(page, char_boxes=moved)
 
 
+def lines_sharing_a_row(page: Page) -> list[bool]:
+    """For each text line of a page, whether another line's middle lies in the same row of vision tokens (the rows
+    as towers trained with --field-targets see them: FIELD_SHIFT)."""
+    rows: list[list[int]] = [[] for _ in page.lines]  # each line's glyphs' token rows
+    for box, line in zip(on_lines(page).char_boxes, line_of_boxes(page)):
+        rows[line].append(token_cell(page, box, 16, FIELD_SHIFT) // 16)
+    row = [max(set(r), key=r.count) if r else None for r in rows]
+    return [r is not None and row.count(r) > 1 for r in row]
+
+
 def across_edges(page: Page, grid: int, shift: float, slack: float) -> tuple[Page, list[int]]:
     """The page with every glyph whose centre lies within `slack` (a fraction of a square) of the edge
     between two token rows moved just across it (token_cell, `shift` as there), and the indices of the
