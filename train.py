@@ -173,7 +173,10 @@ class BaseTraining:
         self.mode, self.grid = model.config["ocr_latent"]["mode"], model.encoder.cfg.sam_image_size // 64
         self.shift = FIELD_SHIFT if args.field_targets else 0.0  # which token a glyph is the target of
         self.token_view = on_lines if args.line_targets else (lambda page: page)  # by its line's middle, or its own
-        self.pointer_heads = pointer_heads(args.pointer_heads, model.decoder.cfg) if args.pointer_weight else []
+        # the guided heads by what they point at: every character's token, or only the second lines' (losses.char_cells)
+        self.pointer_heads = {"every": pointer_heads(args.pointer_heads, model.decoder.cfg)} if args.pointer_weight else {}
+        if args.pointer_weight and args.line_pointer_heads:
+            self.pointer_heads["second_lines"] = pointer_heads(args.line_pointer_heads, model.decoder.cfg, "--line-pointer-heads")
         self.bottleneck, self.bottleneck_needs_pca = self.new_bottleneck(state)
         self.params = self.trainable()
         self.opt = torch.optim.AdamW(self.params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
@@ -187,7 +190,8 @@ class BaseTraining:
             self.cached, self.cached_texts = features.load(model, args.cache_pages, cache_stream_seed(args.seed),
                                                            self.out / "features", kind=args.pages, more_text=args.more_text)
             if self.pointer_heads:  # where each cached page's characters lie, as the towers were taught (the shift and view)
-                placement = f"grid {self.grid}, shift {self.shift}, on lines {args.line_targets}, charset {self.charset}"
+                placement = (f"grid {self.grid}, shift {self.shift}, on lines {args.line_targets}, charset {self.charset}, "
+                             f"pointers {sorted(self.pointer_heads)}")
                 self.cached_cells = features.cells(self.cached_texts, cache_stream_seed(args.seed), self.out / "features",
                                                    args.pages, args.more_text, self.page_cells, placement)
             if self.bottleneck_needs_pca:
@@ -292,12 +296,16 @@ class BaseTraining:
         cells = [self.cached_cells[i] for i in idx] if self.pointer_heads else None
         return self.cached[idx].float(), [self.cached_texts[i] for i in idx], cells
 
-    def page_cells(self, page) -> list[int]:
-        """char_cells of a page as the towers' dense losses place its characters (--field-targets, --line-targets)."""
-        return char_cells(self.token_view(page), self.grid, self.shift, self.charset)
+    def page_cells(self, page) -> dict[str, list[int]]:
+        """char_cells of a page for each kind of guided head, the characters placed as the towers' dense losses
+        place them (--field-targets, --line-targets)."""
+        view = self.token_view(page)
+        return {kind: char_cells(view, self.grid, self.shift, self.charset, second_lines=kind == "second_lines")
+                for kind in self.pointer_heads}
 
-    def pointer(self, cells) -> Pointer | None:
-        return Pointer(self.pointer_heads, cells, self.grid) if self.pointer_heads else None
+    def pointers(self, cells) -> list[Pointer]:
+        """The pointer losses' targets of a batch (`cells`: page_cells of its pages)."""
+        return [Pointer(heads, [c[kind] for c in cells], self.grid) for kind, heads in self.pointer_heads.items()]
 
     def learning_rate(self, step: int) -> float:
         args = self.args
@@ -327,7 +335,7 @@ class BaseTraining:
                     feats = through_bottleneck(bottleneck, feats, args.bottleneck_rounded)
             if self.train_decoder:
                 text, pointer = teacher_forced_loss(model, [model.decoder.layout_image(f) for f in feats], texts,
-                                                    args.token_dropout, self.pointer(cells))
+                                                    args.token_dropout, self.pointers(cells) if cells else [])
                 loss, row["text_loss"] = loss + text, round(text.item(), 4)
                 if pointer is not None:
                     loss, row["pointer_loss"] = loss + args.pointer_weight * pointer, round(pointer.item(), 4)
@@ -389,7 +397,8 @@ class BaseTraining:
             with torch.no_grad():
                 feats = model.encoder.encode_images([p.image for p in pages], self.mode)  # and self.neck
         if self.pointer_heads:
-            row["val_pointer_acc"] = round(self.pointer_accuracy(self.val_pages), 4)
+            for kind, accuracy in self.pointer_accuracy(self.val_pages).items():
+                row["val_pointer_acc" if kind == "every" else "val_line_pointer_acc"] = round(accuracy, 4)
         if self.use_order:
             row["val_slot_acc"] = round(slot_accuracy(feats, self.order_head, [self.token_view(p) for p in pages], self.grid,
                                                       args.order_slots, self.charset, bottleneck, self.shift,
@@ -400,19 +409,21 @@ class BaseTraining:
         return row
 
     @torch.no_grad()
-    def pointer_accuracy(self, pages: list) -> float:
-        """Share of the validation pages' characters at whose token the guided heads look most, teacher-forced."""
-        model, hits = self.model, []
+    def pointer_accuracy(self, pages: list) -> dict[str, float]:
+        """For each kind of guided head, the share of the validation pages' characters at whose target (token, or
+        BOS) the heads look most, teacher-forced."""
+        model, hits = self.model, {kind: [] for kind in self.pointer_heads}
         for i in range(0, len(pages), 4):
             chunk = pages[i:i + 4]
             feats = model.encoder.encode_images([p.image for p in chunk], self.mode)
             if self.bottleneck:
                 feats = self.bottleneck(feats)
-            pointer = self.pointer([self.page_cells(p) for p in chunk])
-            with AttentionTap(model.decoder, {layer for layer, _ in pointer.heads}) as tap:
+            pointers = self.pointers([self.page_cells(p) for p in chunk])
+            with AttentionTap(model.decoder, {layer for p in pointers for layer, _ in p.heads}) as tap:
                 _, target = teacher_forced_logits(model, [model.decoder.layout_image(f) for f in feats], [p.text for p in chunk])
-            hits.append(pointer_accuracy(tap, pointer, target))
-        return sum(hits) / max(1, len(hits))
+            for kind, pointer in zip(hits, pointers):
+                hits[kind].append(pointer_accuracy(tap, pointer, target))
+        return {kind: sum(h) / max(1, len(h)) for kind, h in hits.items()}
 
     @torch.no_grad()
     def patch_accuracy(self, neck: torch.Tensor, pages: list) -> float:
@@ -490,7 +501,7 @@ class BaseTraining:
         self.loader.shutdown(cancel_futures=True)
 
 
-def pointer_heads(spec: str, cfg) -> list[tuple[int, int]]:
+def pointer_heads(spec: str, cfg, option: str = "--pointer-heads") -> list[tuple[int, int]]:
     """--pointer-heads "L:H,...": (layer, head) pairs; empty: head 0 of every layer but the first, whose queries know
     only their own character (a pointer needs the lower layers' reading of where the last character was)."""
     if not spec:
@@ -500,7 +511,7 @@ def pointer_heads(spec: str, cfg) -> list[tuple[int, int]]:
     except ValueError:
         heads = [()]
     if any(len(h) != 2 or not (0 <= h[0] < cfg.num_hidden_layers and 0 <= h[1] < cfg.num_attention_heads) for h in heads):
-        raise SystemExit(f"--pointer-heads {spec}: give layer:head pairs, layers 0-{cfg.num_hidden_layers - 1}, "
+        raise SystemExit(f"{option} {spec}: give layer:head pairs, layers 0-{cfg.num_hidden_layers - 1}, "
                          f"heads 0-{cfg.num_attention_heads - 1}, e.g. 1:0,2:0")
     return heads
 
@@ -613,6 +624,9 @@ def main(argv=None, prog: str | None = None) -> None:
                    "character it predicts, placed as --field-targets/--line-targets say")
     b.add_argument("--pointer-heads", default="", help="with --pointer-weight: layer:head pairs guided (default: head 0 "
                    "of every layer but the first)")
+    b.add_argument("--line-pointer-heads", default="", help="with --pointer-weight: layer:head pairs guided to the token "
+                   "of a character only where its text line is not the first in that token (the lower of two lines "
+                   "sharing it), and to BOS elsewhere: heads that say which of a token's lines is being read")
     b.add_argument("--head-hidden", type=int, default=0, help="encoder stage: hidden width of the dense-loss heads (0: linear)")
     b.add_argument("--pages", choices=sorted(PAGE_KINDS), default="small", help="page kind trained and validated on "
                    "(pages.py: small = nano v1's 512 px pages; nano2 = ordinary pages with some small ones)")

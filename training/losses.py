@@ -20,15 +20,15 @@ def reading_prompt(model: OCRModel) -> str:
 
 
 def teacher_forced_loss(model: OCRModel, image_embeds: list[torch.Tensor], texts: list[str],
-                        token_dropout: float = 0.0, pointer: "Pointer | None" = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        token_dropout: float = 0.0, pointers: list["Pointer"] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mean cross-entropy of the page text (and EOS) given BOS + image + prompt, as the decoder reads it,
-    and with `pointer` the pointer loss of the same forward (else None).
+    and with `pointers` the mean of their pointer losses in the same forward (else None).
     token_dropout replaces that share of the *input* text tokens by the pad token: a decoder that
     cannot lean on its own language model has to read the image (against posterior collapse)."""
-    with AttentionTap(model.decoder, {layer for layer, _ in pointer.heads} if pointer else set()) as tap:
+    with AttentionTap(model.decoder, {layer for p in pointers for layer, _ in p.heads}) as tap:
         logits, target = teacher_forced_logits(model, image_embeds, texts, token_dropout)
     text = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
-    return text, pointer_loss(tap, pointer, target) if pointer else None
+    return text, torch.stack([pointer_loss(tap, p, target) for p in pointers]).mean() if pointers else None
 
 
 def teacher_forced_logits(model: OCRModel, image_embeds: list[torch.Tensor], texts: list[str],
@@ -99,14 +99,24 @@ def lines_held(page, grid: int, charset: str = CHARSET, shift: float = 0.0) -> n
     return np.array([len(lines) for lines in held])
 
 
-def char_cells(page, grid: int, shift: float = 0.0, charset: str = CHARSET) -> list[int]:
+AT_BOS = -2  # a pointer target: the BOS position, where a head looks when what it points at is not there
+
+
+def char_cells(page, grid: int, shift: float = 0.0, charset: str = CHARSET, second_lines: bool = False) -> list[int]:
     """The vision token (row-major; token_cell, `shift` as there) that each character of page.text lies in,
     in order: where a decoder writing that character should look. -1 for spaces, line breaks and characters
-    outside the charset, which no token shows."""
-    boxes, cells = iter(page.char_boxes), []
+    outside the charset, which no token shows. With `second_lines`, only the characters of a text line that is
+    not the first met in their token (reading order: the lower of two lines sharing a token) keep their token;
+    the others look at BOS (AT_BOS)."""
+    boxes, lines, met, cells = iter(page.char_boxes), iter(line_of_boxes(page)), {}, []
     for ch in page.text:
-        box = None if ch in " \n" else next(boxes)
-        cells.append(token_cell(page, box, grid, shift) if box is not None and box[0] in charset else -1)
+        box, line = (None, None) if ch in " \n" else (next(boxes), next(lines))
+        if box is None or box[0] not in charset:
+            cells.append(-1)
+            continue
+        cell = token_cell(page, box, grid, shift)
+        first = met.setdefault(cell, line)  # the first text line met in the cell
+        cells.append(cell if not second_lines or line != first else AT_BOS)
     return cells
 
 
@@ -153,11 +163,12 @@ class Pointer:
 def pointer_targets(pointer: Pointer, target: torch.Tensor, row: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(query positions, key positions) of sequence `row`: each text position that predicts a character some
     token shows, and that token's position in the decoder's input (after BOS, rows of `grid` tokens and a
-    newline each: Decoder.layout_image)."""
+    newline each: Decoder.layout_image), or BOS's (0) for a target AT_BOS."""
     scored = (target[row] != -100).nonzero().flatten()  # the positions predicting text[0], text[1], ..., EOS
     cells = torch.tensor(pointer.cells[row], dtype=torch.long)
-    queries, cells = scored[:len(cells)][cells >= 0], cells[cells >= 0]
-    return queries, 1 + (cells // pointer.grid) * (pointer.grid + 1) + cells % pointer.grid
+    aimed = (cells >= 0) | (cells == AT_BOS)
+    queries, cells = scored[:len(cells)][aimed], cells[aimed]
+    return queries, torch.where(cells == AT_BOS, 0, 1 + (cells // pointer.grid) * (pointer.grid + 1) + cells % pointer.grid)
 
 
 def pointer_loss(tap: AttentionTap, pointer: Pointer, target: torch.Tensor) -> torch.Tensor:
