@@ -359,6 +359,25 @@ def test_each_character_of_a_page_is_placed_in_the_token_its_box_lies_in():
     assert char_cells(on_lines(page), 16, FIELD_SHIFT) != char_cells(page, 16)  # the placement is the run's choice
 
 
+def test_a_line_pointer_looks_at_the_token_only_for_the_second_of_two_lines_sharing_it():
+    from PIL import Image
+
+    from ocr_latent.training.losses import AT_BOS, Pointer, char_cells, pointer_targets
+    from ocr_latent.training.pages import Page
+    # 64 px token rows: "ab" (middle 46 px down) and "cd" (98 px) share row 1 with the field shift, "ef" has row 3
+    boxes = [(ch, x, y - 10, x + 20, y + 10) for ch, x, y in
+             (("a", 10, 46), ("b", 40, 46), ("c", 10, 98), ("d", 40, 98), ("e", 10, 200), ("f", 40, 200))]
+    page = Page(image=Image.new("RGB", (1024, 1024)), text="ab\ncd\nef", lines=["ab", "cd", "ef"], char_boxes=boxes,
+                font="DejaVuSans", font_size=20, source="x")
+    every = char_cells(page, 16, 0.375)
+    assert every == [16, 17, -1, 16, 17, -1, 48, 49]
+    assert char_cells(page, 16, 0.375, second_lines=True) == [AT_BOS, AT_BOS, -1, 16, 17, -1, AT_BOS, AT_BOS]
+    # the positions predicting each character (targets: 3 prompt positions, the text, EOS) and what they point at
+    target = torch.tensor([[-100] * 3 + list(range(9))])
+    queries, keys = pointer_targets(Pointer([], [char_cells(page, 16, 0.375, second_lines=True)], 16), target, 0)
+    assert queries.tolist() == [3, 4, 6, 7, 9, 10] and keys.tolist() == [0, 0, 18, 19, 0, 0]  # tokens 16, 17: row 1, after BOS
+
+
 def test_the_pointer_loss_reads_the_attention_the_decoder_computes():
     """AttentionTap's attention of a head, times that head's values, is what the layer hands its output projection;
     each guided position's key is the vision token showing the character it predicts."""
@@ -398,13 +417,15 @@ def test_a_decoder_stage_with_the_pointer_loss_teaches_its_heads_where_to_look(t
     run = tmp_path / "dec"
     train.main(["base", "--stage", "decoder", "--init", str(NANO), "--out", str(run), "--steps", "8", "--batch", "4",
                 "--cache-pages", "4", "--val-pages", "2", "--eval-every", "4", "--threads", "2", "--save-every", "4",
-                "--lr", "3e-3", "--warmup", "1", "--pointer-weight", "1", "--pointer-heads", "1:0,2:0"])
+                "--lr", "3e-3", "--warmup", "1", "--pointer-weight", "1", "--pointer-heads", "1:0,2:0",
+                "--line-pointer-heads", "2:1"])
     curve = [row for row in json.loads((run / "train_meta.json").read_text())["curve"] if "pointer_loss" in row]
-    assert [row["step"] for row in curve] == [4, 8]
+    assert [row["step"] for row in curve] == [4, 8] and 0 <= curve[1]["val_line_pointer_acc"] <= 1
     assert curve[1]["pointer_loss"] < 0.7 * curve[0]["pointer_loss"]  # the same 4 pages every step
     assert 0.05 < curve[1]["val_pointer_acc"] <= 1  # and on held-out pages
     cells = json.loads((run / "features" / "cells.json").read_text())
     assert len(cells["cells"]) == 4 and cells["placement"].startswith("grid 16, shift 0.0")
+    assert set(cells["cells"][0]) == {"every", "second_lines"}
     with pytest.raises(SystemExit, match="layer:head pairs"):
         train.main(["base", "--stage", "decoder", "--init", str(NANO), "--out", str(tmp_path / "bad"), "--steps", "1",
                     "--cache-pages", "4", "--pointer-weight", "1", "--pointer-heads", "3:0"])
