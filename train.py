@@ -397,7 +397,7 @@ class BaseTraining:
             with torch.no_grad():
                 feats = model.encoder.encode_images([p.image for p in pages], self.mode)  # and self.neck
         if self.pointer_heads:
-            for kind, accuracy in self.pointer_accuracy(self.val_pages).items():
+            for kind, accuracy in self.guided_head_accuracy(self.val_pages).items():
                 row["val_pointer_acc" if kind == "every" else "val_line_pointer_acc"] = round(accuracy, 4)
         if self.use_order:
             row["val_slot_acc"] = round(slot_accuracy(feats, self.order_head, [self.token_view(p) for p in pages], self.grid,
@@ -409,7 +409,7 @@ class BaseTraining:
         return row
 
     @torch.no_grad()
-    def pointer_accuracy(self, pages: list) -> dict[str, float]:
+    def guided_head_accuracy(self, pages: list) -> dict[str, float]:
         """For each kind of guided head, the share of the validation pages' characters at whose target (token, or
         BOS) the heads look most, teacher-forced."""
         model, hits = self.model, {kind: [] for kind in self.pointer_heads}

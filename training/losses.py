@@ -172,10 +172,10 @@ def pointer_targets(pointer: Pointer, target: torch.Tensor, row: int) -> tuple[t
 
 
 def pointer_loss(tap: AttentionTap, pointer: Pointer, target: torch.Tensor) -> torch.Tensor:
-    """Mean -log of the attention each guided head gives, at each text position, to the vision token showing the
-    character that position predicts. Which token to read next is what a small decoder fails to learn where two
-    text lines share a row of tokens (it reads the line's first characters, then writes its own); the towers'
-    targets say where every character is, so the decoder can be told."""
+    """Mean -log of the attention each guided head gives, at each text position, to its target: the vision token
+    showing the character that position predicts (or BOS, AT_BOS). Reading is a pointer moving along the rows of
+    tokens, which a decoder otherwise finds by itself in one late head (bench/pointer_heads.py); the towers'
+    targets say where every character is, so chosen heads can be told."""
     losses = []
     for row in range(target.shape[0]):
         queries, keys = pointer_targets(pointer, target, row)
@@ -187,7 +187,7 @@ def pointer_loss(tap: AttentionTap, pointer: Pointer, target: torch.Tensor) -> t
 
 
 def pointer_accuracy(tap: AttentionTap, pointer: Pointer, target: torch.Tensor) -> float:
-    """Share of the guided positions (over all guided heads) whose head attends most to the right token."""
+    """Share of the guided positions (over all guided heads) whose head attends most to its target."""
     right = total = 0
     for row in range(target.shape[0]):
         queries, keys = pointer_targets(pointer, target, row)
