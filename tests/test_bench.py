@@ -111,3 +111,17 @@ def test_the_pointer_heads_bench_finds_the_head_v1_reads_with(capsys):
     pages = level_pages(split_documents(load_corpus())["val"], "small", 3, 21)
     assert last["all"]["chars"] == sum(1 for p in pages for ch in p.text if ch not in " \n")
     assert last["lines sharing a token row"]["chars"] + last["lines with a token row to themselves"]["chars"] == last["all"]["chars"]
+
+
+def test_the_pointer_heads_bench_measures_a_line_pointer_s_targets(capsys):
+    """--second-lines scores each head against a line pointer's targets: the token for the characters of the lower
+    of two lines sharing it, BOS for every other character. v1 was never taught one: its pointer head finds the
+    lower lines' tokens, as it finds every character's, and no head of it rests on BOS."""
+    from bench.pointer_heads import main as pointer_heads
+    pointer_heads(["--level", "small", "--pages", "3", "--seed", "53", "--second-lines"])  # pages with two lines sharing a row
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    last = next(best for name, best in report["best"].items() if name.startswith("layer 2,"))
+    lower, bos = last["the lower line's token"], last["BOS"]
+    assert lower["chars"] > 0 and lower["chars"] + bos["chars"] == last["all"]["chars"]
+    assert lower["accuracy"] > 0.3 and bos["accuracy"] < 0.5
+    assert all(layer["BOS"]["accuracy"] < 0.5 for layer in report["best"].values())

@@ -376,6 +376,9 @@ def test_a_line_pointer_looks_at_the_token_only_for_the_second_of_two_lines_shar
     target = torch.tensor([[-100] * 3 + list(range(9))])
     queries, keys = pointer_targets(Pointer([], [char_cells(page, 16, 0.375, second_lines=True)], 16), target, 0)
     assert queries.tolist() == [3, 4, 6, 7, 9, 10] and keys.tolist() == [0, 0, 18, 19, 0, 0]  # tokens 16, 17: row 1, after BOS
+    # a tokenizer that drops a character (one outside its charset) leaves no position to point from: said, not guessed
+    with pytest.raises(ValueError, match="one text token per character"):
+        pointer_targets(Pointer([], [every], 16), target[:, :-1], 0)
 
 
 def test_the_pointer_loss_reads_the_attention_the_decoder_computes():

@@ -165,6 +165,9 @@ def pointer_targets(pointer: Pointer, target: torch.Tensor, row: int) -> tuple[t
     token shows, and that token's position in the decoder's input (after BOS, rows of `grid` tokens and a
     newline each: Decoder.layout_image), or BOS's (0) for a target AT_BOS."""
     scored = (target[row] != -100).nonzero().flatten()  # the positions predicting text[0], text[1], ..., EOS
+    if len(scored) != len(pointer.cells[row]) + 1:
+        raise ValueError(f"pointer targets need one text token per character: the tokenizer wrote {len(scored) - 1} "
+                         f"tokens for {len(pointer.cells[row])} characters (characters outside its charset?)")
     cells = torch.tensor(pointer.cells[row], dtype=torch.long)
     aimed = (cells >= 0) | (cells == AT_BOS)
     queries, cells = scored[:len(cells)][aimed], cells[aimed]

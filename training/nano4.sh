@@ -7,6 +7,9 @@
 #            losses with the targets that read best (by line, by what a token's convs see, slots by line, two-line
 #            tokens weighted)
 #   decoder  the decoder alone on cached features of those frozen towers
+#   encoder, continued; decoder again
+#            the towers' 700 steps leave the reader at about twice the error of the towers trained for thousands
+#            (docs/training.md): the towers and their heads go on for 2,000 steps more, and a decoder reads them
 #
 # Every stage resumes where it stopped, so the same command continues the chain after a stop or on a new session:
 #   RUNS=/work/runs bash training/nano4.sh          # runs/ (git-ignored) by default
@@ -30,3 +33,12 @@ $PY train.py base --stage encoder --widen-from "$RUNS/v4r-joint" --widen sam,cli
 $PY train.py base --stage decoder --init "$RUNS/v4r-enc" --pages level0 --more-text --out "$RUNS/v4r-dec" \
   --cache-pages 4096 --steps 1500 --decay-from 1000 --batch 16 --bf16 --threads 2 --eval-every 250 --val-pages 12 \
   --max-tokens 1024 --save-every 50 --lr 5e-4 --warmup 30 --token-dropout 0.1 --length-groups 8 --keep-best --seed 33
+
+$PY train.py base --stage encoder --init "$RUNS/v4r-enc" --heads-from "$RUNS/v4r-enc" --pages level0 --out "$RUNS/v4r-enc2" \
+  --steps 2000 --decay-from 1400 --batch 8 --bf16 --threads 2 --eval-every 100 --val-pages 8 \
+  --save-every 25 "${targets[@]}" --lr 5e-4 --warmup 30 --seed 34
+
+$PY train.py base --stage decoder --init "$RUNS/v4r-enc2" --decoder-from "$RUNS/v4r-dec" --pages level0 --more-text \
+  --out "$RUNS/v4r-dec2" --cache-pages 4096 --steps 1500 --decay-from 1000 --batch 16 --bf16 --threads 2 \
+  --eval-every 250 --val-pages 12 --max-tokens 1024 --save-every 50 --lr 5e-4 --warmup 30 --token-dropout 0.1 \
+  --length-groups 8 --keep-best --seed 35
