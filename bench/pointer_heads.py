@@ -76,7 +76,6 @@ def main(argv=None) -> None:
                     help="a line pointer's targets: the token for a shared token's lower line, else BOS")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
-    kinds = TARGETS if args.second_lines else KINDS
     torch.set_num_threads(args.threads)
     model = load_model(args.model)
     pages = level_pages(split_documents(load_corpus())["val"], args.level, args.pages, args.seed)
@@ -89,6 +88,7 @@ def main(argv=None) -> None:
     pages = spelled
     hits, counts = pointer_hits(model, pages, FIELD_SHIFT if args.field_targets else 0.0, args.line_targets,
                                 args.second_lines)
+    kinds = [name for name in hits if name != "all"]  # pointer_hits' split: KINDS, or TARGETS with --second-lines
     share = {name: h / max(1, counts[name]) for name, h in hits.items()}
     print(f"level {args.level}, {len(pages)} pages, {counts['all']} characters; share each head points at right "
           f"(rows: layers, columns: heads):")
