@@ -629,7 +629,8 @@ def main(argv=None, prog: str | None = None) -> None:
                    "sharing it), and to BOS elsewhere: heads that say which of a token's lines is being read")
     b.add_argument("--head-hidden", type=int, default=0, help="encoder stage: hidden width of the dense-loss heads (0: linear)")
     b.add_argument("--pages", choices=sorted(PAGE_KINDS), default="small", help="page kind trained and validated on "
-                   "(pages.py: small = nano v1's 512 px pages; nano2 = ordinary pages with some small ones)")
+                   "(pages.py: small = nano v1's 512 px pages; nano2 = ordinary pages with some small ones; levelK = the "
+                   "curriculum's level K; level0-close = level 0 with its lines closer)")
     b.add_argument("--nano-version", type=int, choices=[1, 2], default=1, help="sizes of a model started from scratch (nano.py)")
     b.add_argument("--grow-from", help="start from nano v3 grown from this trained v1 model directory (nano.grown_nano)")
     b.add_argument("--widen-from", help="start from this trained run with wider towers (--widen), reading as it did "

@@ -248,3 +248,18 @@ def test_the_curriculum_toward_ordinary_pages_shrinks_the_text_then_is_the_nano2
     assert specs[0].max_rotation == specs[0].shade_prob == 0 and specs[0].fonts == pages.SMALL.fonts
     assert 0 < specs[7].max_rotation < pages.ORDINARY.max_rotation and specs[7].fonts == pages.ORDINARY.fonts
     assert toward_ordinary(8) is NANO2_PAGES and toward_ordinary(19) is NANO2_PAGES
+
+
+def test_closer_lines_put_more_lines_in_a_shared_token_row_at_the_same_glyph_size(docs):
+    """level0-close is level 0 with its lines closer: the same text sizes and small pages, and more of its lines
+    share a row of vision tokens with another line (the tokens holding two lines)."""
+    level0, close = pages.toward_ordinary(0), pages.PAGE_KINDS["level0-close"]
+    assert close.specs[1:] == level0.specs[1:] and close.weights == level0.weights
+    shares, sizes = [], []
+    for spec in (level0.specs[0], close.specs[0]):
+        stream = pages.PageStream(docs, spec, seed=4)
+        flags = [f for i in range(24) for f in pages.lines_sharing_a_row(stream[i])]
+        shares.append(sum(flags) / len(flags))
+        sizes.append(sorted(stream[i].font_size for i in range(24)))
+    assert shares[1] > 1.6 * shares[0] and shares[1] > 0.25, shares
+    assert all(40 <= s <= 56 for s in sizes[1][:3] + sizes[1][-3:]), sizes

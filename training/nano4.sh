@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Nano v4 for ordinary pages, rebuilt from the shipped nano v1 (weights/nano) on any machine, in three stages:
+# Nano v4 for ordinary pages, rebuilt from the shipped nano v1 (weights/nano) on any machine, in stages:
 #
 #   joint    v1 grown (nano.grown_nano: more SAM blocks, a fourth decoder layer, the Latin-1 tokenizer), trained on
 #            the text and the dense per-token and per-patch losses at curriculum level 0 (40-56 px ordinary pages)
@@ -10,6 +10,9 @@
 #   encoder, continued; decoder again
 #            the towers' 700 steps leave the reader at about twice the error of the towers trained for thousands
 #            (docs/training.md): the towers and their heads go on for 2,000 steps more, and a decoder reads them
+#   encoder and decoder on closer lines
+#            the tokens holding two lines are where reading fails, and level 0 has few: both go on with the lines of
+#            level 0 set closer (pages.closer_lines: the same glyphs, over twice the lines sharing a token row)
 #
 # Every stage resumes where it stopped, so the same command continues the chain after a stop or on a new session:
 #   RUNS=/work/runs bash training/nano4.sh          # runs/ (git-ignored) by default
@@ -42,3 +45,12 @@ $PY train.py base --stage decoder --init "$RUNS/v4r-enc2" --decoder-from "$RUNS/
   --out "$RUNS/v4r-dec2" --cache-pages 4096 --steps 1500 --decay-from 1000 --batch 16 --bf16 --threads 2 \
   --eval-every 250 --val-pages 12 --max-tokens 1024 --save-every 50 --lr 5e-4 --warmup 30 --token-dropout 0.1 \
   --length-groups 8 --keep-best --seed 35
+
+$PY train.py base --stage encoder --init "$RUNS/v4r-enc2" --heads-from "$RUNS/v4r-enc2" --pages level0-close \
+  --out "$RUNS/v4r-enc3" --steps 1500 --decay-from 1000 --batch 8 --bf16 --threads 2 --eval-every 100 --val-pages 8 \
+  --save-every 25 "${targets[@]}" --lr 5e-4 --warmup 30 --seed 36
+
+$PY train.py base --stage decoder --init "$RUNS/v4r-enc3" --decoder-from "$RUNS/v4r-dec2" --pages level0-close --more-text \
+  --out "$RUNS/v4r-dec3" --cache-pages 4096 --steps 1500 --decay-from 1000 --batch 16 --bf16 --threads 2 \
+  --eval-every 250 --val-pages 12 --max-tokens 1024 --save-every 50 --lr 5e-4 --warmup 30 --token-dropout 0.1 \
+  --length-groups 8 --keep-best --seed 37
