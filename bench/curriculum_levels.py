@@ -6,11 +6,17 @@ mix's ordinary pages) and of nano v1's small pages (`small`): where a curriculum
     python bench/curriculum_levels.py runs/v3-joint4 --levels 0 --pages 16 --seed 21 --split-at 48   # by glyph size
     python bench/curriculum_levels.py runs/v4-dec12 --levels 0 --pages 64 --seed 21 --by-line  # lines sharing a token row
     python bench/curriculum_levels.py runs/v4-dec12 --levels 0 --pages 16 --seed 21 --by-line --show 8  # and some of them
+    python bench/curriculum_levels.py runs/v4r-dec2 --levels 0 --pages 64 --seed 21 --teacher-forced 16
 
 With --by-line, the pages read as many lines as they have are also scored line by line: the CER of the
 lines that share a row of vision tokens with another line (their middles in one 64 px row of the view, the
 rows as towers trained with --field-targets see them: pages.FIELD_SHIFT) and of the lines that have a row to
 themselves.
+
+With --teacher-forced N, the first N pages of a level are also read teacher-forced (the right text before each
+character, as in training): the share of their characters (spaces and line ends left out) the decoder predicts
+right, on lines sharing a token row and on the rest. Set against the CER of the same kinds of line read freely, it
+says how much of the free reading's error is errors compounding.
 """
 from __future__ import annotations
 
@@ -21,9 +27,36 @@ import torch
 
 from ocr_latent.checkpoint import load_model
 from ocr_latent.training.evaluation import evaluate
+from ocr_latent.training.losses import teacher_forced_logits
 from ocr_latent.training.manifest import ROOT
 from ocr_latent.training.pages import level_pages, lines_sharing_a_row, load_corpus, split_documents
 from ocr_latent.training.reading_metrics import edit_distance
+
+
+LINE_KINDS = ("lines sharing a token row", "lines with a token row to themselves")
+
+
+@torch.no_grad()
+def teacher_forced_by_line(model, pages) -> dict[str, dict]:
+    """{line kind: {"chars": n, "right": share}}: the characters (not spaces or line ends) of `pages` the decoder
+    predicts right given the right text before them, by whether their line shares a row of vision tokens. Pages
+    the model's tokenizer cannot spell one token a character are left out ("pages_left_out")."""
+    tally = {name: [0, 0] for name in LINE_KINDS}
+    spelled = [p for p in pages if len(model.tokenizer.encode(p.text, add_special_tokens=False).ids) == len(p.text)]
+    for i in range(0, len(spelled), 4):
+        chunk = spelled[i:i + 4]
+        feats = model.encoder.encode_images([p.image for p in chunk], "base")
+        logits, target = teacher_forced_logits(model, [model.decoder.layout_image(f) for f in feats], [p.text for p in chunk])
+        for row, page in enumerate(chunk):
+            at = (target[row] != -100).nonzero().flatten()[:len(page.text)]  # the page's characters; EOS after them
+            right = (logits[row, at].argmax(-1) == target[row, at]).tolist()
+            shares = lines_sharing_a_row(page)
+            for k, ch in enumerate(page.text):
+                if ch not in " \n":
+                    t = tally[LINE_KINDS[not shares[page.text[:k].count("\n")]]]
+                    t[0], t[1] = t[0] + right[k], t[1] + 1
+    return {"pages_left_out": len(pages) - len(spelled),
+            **{name: {"chars": n, "right": round(r / n, 3) if n else None} for name, (r, n) in tally.items()}}
 
 
 def main(argv=None) -> None:
@@ -41,6 +74,8 @@ def main(argv=None) -> None:
                     "with another line and of the rest")
     ap.add_argument("--show", type=int, default=0, help="with --by-line: also print the first N lines of each kind a "
                     "level has, as written and as read")
+    ap.add_argument("--teacher-forced", type=int, default=0, metavar="N", help="also the share of characters of the "
+                    "first N pages read right teacher-forced, by kind of line")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, docs, out = load_model(args.model), split_documents(load_corpus())["val"], {}
@@ -56,7 +91,7 @@ def main(argv=None) -> None:
                 out[level][name] = {"pages": len(cers), "cer": round(sum(cers) / len(cers), 3) if cers else None}
                 print(f"    {name}: {out[level][name]}", flush=True)
         if args.by_line:
-            tally = {"lines sharing a token row": [0, 0, 0], "lines with a token row to themselves": [0, 0, 0]}
+            tally = {name: [0, 0, 0] for name in LINE_KINDS}
             shown: dict[str, list[dict]] = {name: [] for name in tally}
             paired = 0
             for hyp, page in zip(read["hyps"], pages):
@@ -65,7 +100,7 @@ def main(argv=None) -> None:
                     continue  # a line lost or split: no line-by-line pairing
                 paired += 1
                 for said_line, line, shares in zip(said, page.lines, lines_sharing_a_row(page)):
-                    kind = "lines sharing a token row" if shares else "lines with a token row to themselves"
+                    kind = LINE_KINDS[not shares]
                     t = tally[kind]
                     t[0], t[1], t[2] = t[0] + edit_distance(said_line, line), t[1] + len(line), t[2] + 1
                     if len(shown[kind]) < args.show:
@@ -78,6 +113,10 @@ def main(argv=None) -> None:
                     print(f"      {kind}, {row['font_px']} px:\n        written: {row['written']}\n        read:    {row['read']}")
             if args.show:
                 out[level]["by_line"]["shown"] = shown
+        if args.teacher_forced:
+            out[level]["teacher_forced"] = teacher_forced_by_line(model, pages[:args.teacher_forced])
+            print(f"    teacher-forced, characters right (first {args.teacher_forced} pages): "
+                  f"{out[level]['teacher_forced']}", flush=True)
     print(json.dumps({"model": args.model, "pages_per_level": args.pages, "levels": out}))
 
 

@@ -81,6 +81,26 @@ def test_the_curriculum_levels_bench_reads_the_small_pages_and_not_level_0():
                        for p in pages for line, shares in zip(p.lines, lines_sharing_a_row(p)))
 
 
+def test_the_curriculum_levels_bench_reads_teacher_forced_by_kind_of_line():
+    """--teacher-forced: v1 predicts most characters of its own small pages right given the text before them, every
+    character but spaces and line ends counted once in one kind of line; level-0 pages with Latin-1 letters, which
+    v1's tokenizer cannot write one token a character, are left out and counted, not misread."""
+    from bench.curriculum_levels import LINE_KINDS, teacher_forced_by_line
+    from ocr_latent.checkpoint import load_model
+    from ocr_latent.training.pages import level_pages, load_corpus, split_documents
+
+    model, docs = load_model(str(ROOT / "weights" / "nano")), split_documents(load_corpus())["val"]
+    pages = level_pages(docs, "small", 3, 21)
+    read = teacher_forced_by_line(model, pages)
+    assert read["pages_left_out"] == 0
+    assert sum(read[kind]["chars"] for kind in LINE_KINDS) == sum(1 for p in pages for ch in p.text if ch not in " \n")
+    assert read[LINE_KINDS[1]]["right"] > 0.8
+    latin1 = [p for p in level_pages(docs, 0, 12, 21) if any(ord(ch) > 126 for ch in p.text)]
+    assert latin1  # level 0 has pages v1 cannot spell
+    assert teacher_forced_by_line(model, latin1[:1]) == {"pages_left_out": 1,
+                                                         **{kind: {"chars": 0, "right": None} for kind in LINE_KINDS}}
+
+
 def test_lines_sharing_a_row_of_tokens_are_told_from_lines_with_a_row_to_themselves():
     from PIL import Image
 
