@@ -29,6 +29,7 @@ from ocr_latent.checkpoint import load_model
 from ocr_latent.training.evaluation import evaluate
 from ocr_latent.training.losses import teacher_forced_logits
 from ocr_latent.training.manifest import ROOT
+from ocr_latent.training.nano import spells_by_character
 from ocr_latent.training.pages import level_pages, lines_sharing_a_row, load_corpus, split_documents
 from ocr_latent.training.reading_metrics import edit_distance
 
@@ -42,7 +43,7 @@ def teacher_forced_by_line(model, pages) -> dict[str, dict]:
     predicts right given the right text before them, by whether their line shares a row of vision tokens. Pages
     the model's tokenizer cannot spell one token a character are left out ("pages_left_out")."""
     tally = {name: [0, 0] for name in LINE_KINDS}
-    spelled = [p for p in pages if len(model.tokenizer.encode(p.text, add_special_tokens=False).ids) == len(p.text)]
+    spelled = [p for p in pages if spells_by_character(model, p.text)]
     for i in range(0, len(spelled), 4):
         chunk = spelled[i:i + 4]
         feats = model.encoder.encode_images([p.image for p in chunk], "base")

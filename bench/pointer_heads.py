@@ -20,7 +20,7 @@ import torch
 from ocr_latent.checkpoint import load_model
 from ocr_latent.training.losses import AT_BOS, AttentionTap, Pointer, char_cells, pointer_targets, teacher_forced_logits
 from ocr_latent.training.manifest import ROOT
-from ocr_latent.training.nano import model_charset
+from ocr_latent.training.nano import model_charset, spells_by_character
 from ocr_latent.training.pages import FIELD_SHIFT, level_pages, lines_sharing_a_row, load_corpus, on_lines, split_documents
 
 KINDS = ("lines sharing a token row", "lines with a token row to themselves")
@@ -80,7 +80,7 @@ def main(argv=None) -> None:
     model = load_model(args.model)
     pages = level_pages(split_documents(load_corpus())["val"], args.level, args.pages, args.seed)
     # a page the tokenizer cannot spell character by character (a letter outside its charset) has no targets
-    spelled = [p for p in pages if len(model.tokenizer.encode(p.text, add_special_tokens=False).ids) == len(p.text)]
+    spelled = [p for p in pages if spells_by_character(model, p.text)]
     if len(spelled) < len(pages):
         print(f"left out {len(pages) - len(spelled)} of {len(pages)} pages: characters the tokenizer cannot write")
     if not spelled:

@@ -84,6 +84,12 @@ def model_charset(model: OCRModel) -> str:
     return "".join(t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1]) if len(t) == 1 and t != "\n")
 
 
+def spells_by_character(model: OCRModel, text: str) -> bool:
+    """Whether the model's tokenizer writes `text` one token a character, as the per-character benches and the
+    pointer targets assume (a letter outside its charset breaks it)."""
+    return len(model.tokenizer.encode(text, add_special_tokens=False).ids) == len(text)
+
+
 def new_nano(seed: int, version: int = 1) -> OCRModel:
     tok = char_tokenizer(CHARSET if version == 1 else CHARSET_LATIN1)
     cfg = nano_config(tok.get_vocab_size(), version)
