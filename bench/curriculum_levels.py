@@ -30,11 +30,9 @@ from ocr_latent.training.evaluation import evaluate
 from ocr_latent.training.losses import teacher_forced_logits
 from ocr_latent.training.manifest import ROOT
 from ocr_latent.training.nano import spells_by_character
-from ocr_latent.training.pages import level_pages, lines_sharing_a_row, load_corpus, split_documents
+from ocr_latent.training.pages import (LINE_KINDS, level_pages, line_of_boxes, lines_sharing_a_row, load_corpus,
+                                       split_documents)
 from ocr_latent.training.reading_metrics import edit_distance
-
-
-LINE_KINDS = ("lines sharing a token row", "lines with a token row to themselves")
 
 
 @torch.no_grad()
@@ -52,10 +50,10 @@ def teacher_forced_by_line(model, pages) -> dict[str, dict]:
             at = (target[row] != -100).nonzero().flatten()[:len(page.text)]  # the page's characters; EOS after them
             right = (logits[row, at].argmax(-1) == target[row, at]).tolist()
             shares = lines_sharing_a_row(page)
-            for k, ch in enumerate(page.text):
-                if ch not in " \n":
-                    t = tally[LINE_KINDS[not shares[page.text[:k].count("\n")]]]
-                    t[0], t[1] = t[0] + right[k], t[1] + 1
+            glyphs = [k for k, ch in enumerate(page.text) if ch not in " \n"]  # line_of_boxes' characters, in order
+            for k, line in zip(glyphs, line_of_boxes(page), strict=True):
+                t = tally[LINE_KINDS[not shares[line]]]
+                t[0], t[1] = t[0] + right[k], t[1] + 1
     return {"pages_left_out": len(pages) - len(spelled),
             **{name: {"chars": n, "right": round(r / n, 3) if n else None} for name, (r, n) in tally.items()}}
 

@@ -21,9 +21,9 @@ from ocr_latent.checkpoint import load_model
 from ocr_latent.training.losses import AT_BOS, AttentionTap, Pointer, char_cells, pointer_targets, teacher_forced_logits
 from ocr_latent.training.manifest import ROOT
 from ocr_latent.training.nano import model_charset, spells_by_character
-from ocr_latent.training.pages import FIELD_SHIFT, level_pages, lines_sharing_a_row, load_corpus, on_lines, split_documents
+from ocr_latent.training.pages import (FIELD_SHIFT, LINE_KINDS, level_pages, lines_sharing_a_row, load_corpus, on_lines,
+                                       split_documents)
 
-KINDS = ("lines sharing a token row", "lines with a token row to themselves")
 TARGETS = ("the lower line's token", "BOS")  # --second-lines
 
 
@@ -31,8 +31,8 @@ TARGETS = ("the lower line's token", "BOS")  # --second-lines
 def pointer_hits(model, pages, shift: float, line_targets: bool, second_lines: bool = False
                  ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     """({"all" or a kind: [layers, heads] how many of its characters each head points at right}, {the same: how
-    many characters}). The kinds are KINDS of lines, or with `second_lines` (a line pointer's targets) TARGETS."""
-    kinds = TARGETS if second_lines else KINDS
+    many characters}). The kinds are the LINE_KINDS, or with `second_lines` (a line pointer's targets) TARGETS."""
+    kinds = TARGETS if second_lines else LINE_KINDS
     dec, charset = model.decoder, model_charset(model)
     L, H = dec.cfg.num_hidden_layers, dec.cfg.num_attention_heads
     hits = {name: torch.zeros(L, H) for name in ("all", *kinds)}
@@ -49,7 +49,7 @@ def pointer_hits(model, pages, shift: float, line_targets: bool, second_lines: b
             queries, keys = pointer_targets(pointer, target, row)
             shares = lines_sharing_a_row(page)
             aimed = [(k, c) for k, c in enumerate(cells[row]) if c >= 0 or c == AT_BOS]  # as pointer_targets
-            label = [(TARGETS[c == AT_BOS] if second_lines else KINDS[not shares[page.text[:k].count("\n")]])
+            label = [(TARGETS[c == AT_BOS] if second_lines else LINE_KINDS[not shares[page.text[:k].count("\n")]])
                      for k, c in aimed]
             kind = {name: torch.tensor([lab == name for lab in label], dtype=torch.bool) for name in kinds}
             for layer in range(L):
@@ -88,7 +88,7 @@ def main(argv=None) -> None:
     pages = spelled
     hits, counts = pointer_hits(model, pages, FIELD_SHIFT if args.field_targets else 0.0, args.line_targets,
                                 args.second_lines)
-    kinds = [name for name in hits if name != "all"]  # pointer_hits' split: KINDS, or TARGETS with --second-lines
+    kinds = [name for name in hits if name != "all"]  # pointer_hits' split: LINE_KINDS, or TARGETS with --second-lines
     share = {name: h / max(1, counts[name]) for name, h in hits.items()}
     print(f"level {args.level}, {len(pages)} pages, {counts['all']} characters; share each head points at right "
           f"(rows: layers, columns: heads):")

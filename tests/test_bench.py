@@ -85,9 +85,9 @@ def test_the_curriculum_levels_bench_reads_teacher_forced_by_kind_of_line():
     """--teacher-forced: v1 predicts most characters of its own small pages right given the text before them, every
     character but spaces and line ends counted once in one kind of line; level-0 pages with Latin-1 letters, which
     v1's tokenizer cannot write one token a character, are left out and counted, not misread."""
-    from bench.curriculum_levels import LINE_KINDS, teacher_forced_by_line
+    from bench.curriculum_levels import teacher_forced_by_line
     from ocr_latent.checkpoint import load_model
-    from ocr_latent.training.pages import level_pages, load_corpus, split_documents
+    from ocr_latent.training.pages import LINE_KINDS, level_pages, load_corpus, split_documents
 
     model, docs = load_model(str(ROOT / "weights" / "nano")), split_documents(load_corpus())["val"]
     pages = level_pages(docs, "small", 3, 21)

@@ -475,6 +475,10 @@ def on_lines(page: Page) -> Page:
     return replace(page, char_boxes=moved)
 
 
+# the two kinds of line lines_sharing_a_row tells apart, as the benches name them: LINE_KINDS[not shares]
+LINE_KINDS = ("lines sharing a token row", "lines with a token row to themselves")
+
+
 def lines_sharing_a_row(page: Page) -> list[bool]:
     """For each text line of a page, whether another line's middle lies in the same row of vision tokens (the rows
     as towers trained with --field-targets see them: FIELD_SHIFT)."""
