@@ -521,6 +521,31 @@ def train_base(args) -> None:
 
 
 # ----------------------------------------------------------------------------- export
+def run_history(run: Path) -> tuple[list[dict], list[str]]:
+    """Every training stage a run was made of, each once, a stage after those it started from: the run its model
+    came from (--init, or --widen-from/--grow-from, whose towers were resized from it) and the run its decoder came
+    from (--decoder-from). Also the exported models the first stages started from, whose manifest records stay the
+    only trace of them, since runs/ is not kept."""
+    stages, starts, seen = [], [], set()
+
+    def visit(path: str) -> None:
+        if str(Path(path).resolve()) in seen:
+            return
+        seen.add(str(Path(path).resolve()))
+        if not (Path(path) / "train_meta.json").exists():
+            starts.append(path)
+            return
+        m = json.loads((Path(path) / "train_meta.json").read_text())
+        for parent in (m.get("init") or m.get("widened_from") or m.get("grown_from"), m.get("decoder_from")):
+            if parent:
+                visit(parent)
+        stages.append({"run": str(path), "stage": m.get("args", {}).get("stage", "joint"), "steps": m["step"],
+                       "wall_s": round(m.get("wall_s", 0)), "hyperparameters": m.get("args", {}), "curve": m["curve"]})
+
+    visit(str(run))
+    return stages, starts
+
+
 def export_base(args) -> None:
     """Copy a training run's model (not its optimiser state) to a servable original-layout directory."""
     run, to = Path(args.run), Path(args.to)
@@ -540,18 +565,7 @@ def export_base(args) -> None:
     test_spec, max_tokens = (None, 256) if kind == "small" else (ORDINARY, 2048)
     val = evaluate(model, list(test_pages(args.test_pages, seed=2, spec=test_spec)),
                    model.config["ocr_latent"]["mode"], max_tokens=max_tokens)
-    # A staged run starts from another run (--init): record every stage back to the first, and the
-    # manifest record of an exported model it started from, since runs/ is not kept.
-    stages, init = [], run
-    while (Path(init) / "train_meta.json").exists():
-        m = json.loads((Path(init) / "train_meta.json").read_text())
-        stages.insert(0, {"run": str(init), "stage": m.get("args", {}).get("stage", "joint"), "steps": m["step"],
-                          "wall_s": round(m.get("wall_s", 0)), "hyperparameters": m.get("args", {}), "curve": m["curve"]})
-        # the run it grew from: --init, or --widen-from/--grow-from, whose towers were resized from it
-        parent = m.get("init") or m.get("widened_from") or m.get("grown_from")
-        if not parent:
-            break
-        init = parent
+    stages, starts = run_history(run)
     if any(s["hyperparameters"].get("more_text") for s in stages):  # a stage read the train-only documents too
         docs["train-only"] = train_only_documents()
     manifest_path = Path(args.manifest)
@@ -566,7 +580,7 @@ def export_base(args) -> None:
     for i, stage in enumerate(stages):
         stage["curve_file"] = curve_file(manifest_path, f"{to.name}-base-{record['weights_sha256'][:12]}-stage{i + 1}",
                                          stage.pop("curve"))
-    if previous and Path(init).resolve() == to.resolve() and not (Path(init) / "train_meta.json").exists():
+    if previous and any(Path(start).resolve() == to.resolve() for start in starts):
         # the first stage started from an earlier export of this model (its record moves to "earlier")
         record["initialized_from"] = previous["weights_sha256"]
     update_manifest(f"{to.name}/base", record, manifest_path)
