@@ -69,6 +69,31 @@ def test_per_token_quantizer_on_cached_features_with_mlps(tmp_path):
     assert len(json.loads((cache / "features-00000.json").read_text())) == 3
 
 
+@pytest.mark.slow  # trains
+def test_a_quantizer_for_a_base_of_ordinary_pages_trains_and_reports_on_them_and_on_the_small_pages(tmp_path):
+    """--pages KIND: a base trained for other pages gets a quantizer trained on those pages (cached, from the train
+    split), validated and tested on held-out pages of the kind, and its test reports v1's small pages beside them,
+    since a new default must keep reading those."""
+    from ocr_latent.training.pages import PAGE_KINDS, training_documents
+    out, manifest, cache = tmp_path / "quantizer.safetensors", tmp_path / "manifest.json", tmp_path / "cache"
+    train.main(["quantizer", "--base", str(NANO), "--pages", "level0", "--cache-pages", "3", "--cache-seed", "5",
+                "--cache-dir", str(cache), "--steps", "2", "--batch", "2", "--val-pages", "2", "--eval-every", "2",
+                "--eval-pages", "2", "--max-tokens", "48", "--out", str(out), "--manifest", str(manifest), "--threads", "1"])
+    stream = PageStream(training_documents(), PAGE_KINDS["level0"], seed=5)
+    assert json.loads((cache / "features-00000.json").read_text()) == [stream[i].text for i in range(3)]
+    record = json.loads(manifest.read_text())["artifacts"][f"{tmp_path.name}/quantizer"]
+    assert "of kind level0" in record["data"]["pages"]["train"] and record["hyperparameters"]["pages"] == "level0"
+    ordinary, small = record["final_metrics"], record["final_metrics"]["small_pages"]
+    assert ordinary["test_pages"] == small["test_pages"] == 2 and len(record["val_curve"]) == 1
+    for metrics in (ordinary, small):
+        assert 0 <= metrics["cer_uncompressed"] and 0 <= metrics["cer_codes"]
+    # v1 reads its own small pages; level 0's pages, long and cut at 48 tokens here, it does not: two sets told apart
+    assert small["cer_uncompressed"] < 0.5 < ordinary["cer_uncompressed"]
+    with pytest.raises(SystemExit, match="pages"):  # the run is of level-0 pages: resuming it as another kind is refused
+        train.main(["quantizer", "--base", str(NANO), "--cache-pages", "3", "--cache-dir", str(cache), "--steps", "3",
+                    "--batch", "2", "--out", str(out), "--manifest", str(manifest)])
+
+
 def test_a_quantizer_for_another_base_is_refused_with_the_fix(tmp_path):
     other = tmp_path / "other-base"
     shutil.copytree(NANO, other)
@@ -192,14 +217,15 @@ def test_staged_base_training_trains_only_its_part_and_resumes(tmp_path, capsys)
     assert not changed(dec2, params(load_model(spliced))[1]) and changed(dec, dec2)
 
     # the export serves the last stage's weights and its manifest record names every stage, back through
-    # the widening to the first
+    # the widening to the first, and the stage its decoder came from
     manifest, exported = tmp_path / "manifest.json", tmp_path / "nano"
     train.main(["export", "--run", str(spliced), "--to", str(exported), "--test-pages", "2", "--manifest", str(manifest)])
     assert not changed(params(load_model(spliced))[1], params(load_model(exported))[1])
     record = json.loads(manifest.read_text())["artifacts"]["nano/base"]
-    assert [(s["stage"], s["steps"]) for s in record["stages"]] == [("encoder", 3), ("encoder", 1), ("decoder", 1)]
+    assert [(s["run"], s["stage"], s["steps"]) for s in record["stages"]] == [
+        (str(enc_run), "encoder", 3), (str(wide_run), "encoder", 1), (str(dec_run), "decoder", 2), (str(spliced), "decoder", 1)]
     assert record["stages"][-1]["hyperparameters"]["decoder_from"] == str(dec_run)
-    assert record["steps"] == 5 and record["test_metrics_uncompressed"]["pages"] == 2
+    assert record["steps"] == 7 and record["test_metrics_uncompressed"]["pages"] == 2
 
 
 @pytest.mark.slow  # trains

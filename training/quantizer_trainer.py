@@ -31,12 +31,13 @@ from ocr_latent.training.evaluation import evaluate, read_pages
 from ocr_latent.training.losses import teacher_forced_logits
 from ocr_latent.training.manifest import code_commit, curve_file, data_record, update_manifest
 from ocr_latent.training.reading_metrics import cer
-from ocr_latent.training.pages import PageSpec, PageStream, load_corpus, split_documents, test_pages
+from ocr_latent.training.pages import PAGE_KINDS, PageMix, PageSpec, PageStream, load_corpus, split_documents, test_pages
 from ocr_latent.serving.pipeline import base_fingerprint
 from ocr_latent.quantizer import CrossTokenFSQ, FSQ, ScalarCodes, code_usage
 from ocr_latent.training.recipe import code_fsq, code_geometry, cosine_to_tenth
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff")
+IDENTITY = ("base_fingerprint", "geometry", "seed", "data", "targets", "pages", "more_text")  # what a resumed run must share
 
 
 def base_digest(model: OCRModel) -> str:
@@ -48,6 +49,12 @@ def base_digest(model: OCRModel) -> str:
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+def held_out_spec(kind: str) -> PageSpec | PageMix:
+    """How held-out pages of a page kind are drawn: v1's small pages clean (the set the shipped quantizer reports
+    on), any other kind as it is trained on."""
+    return PageSpec(augment=False) if kind == "small" else PAGE_KINDS[kind]
 
 
 def new_quantizer(args, model: OCRModel, mode: str) -> ScalarCodes:
@@ -66,12 +73,14 @@ class TrainingData:
         own = args.targets == "self"
         if args.data == "pages":
             self.cache_dir = Path(args.cache_dir or Path(args.run) / "features")
-            self.features, self.texts = features.load(model, args.cache_pages, args.cache_seed, self.cache_dir)
+            self.features, self.texts = features.load(model, args.cache_pages, args.cache_seed, self.cache_dir,
+                                                      kind=args.pages, more_text=args.more_text)
             if own:  # the base's own reading of the same pages replaces their transcripts
                 self.texts = self_reading.cached_reading(model, self.features, self.cache_dir / "own-reading.json",
                                                          args.target_max_tokens)
-            self.record = data_record(docs, args.cache_seed, PageSpec(), {
-                "train": f"{len(self.texts)} rendered pages encoded once (features.py, stream seed {args.cache_seed})",
+            self.record = data_record(docs, args.cache_seed, PAGE_KINDS[args.pages], {
+                "train": f"{len(self.texts)} rendered pages of kind {args.pages} encoded once (features.py, stream seed "
+                         f"{args.cache_seed}{', text from the train-only documents too' if args.more_text else ''})",
                 "targets": "the frozen base's own greedy uncompressed reading" if own else "the pages' text",
                 "draws": args.steps * args.batch, "val": args.val_pages, "test": args.eval_pages})
         elif own:
@@ -124,8 +133,8 @@ def losses(model: OCRModel, q: ScalarCodes, feats: torch.Tensor, texts: list[str
 class Validation:
     """Greedy reading of held-out pages through the codes (their features are encoded once)."""
 
-    def __init__(self, model: OCRModel, pages: list, mode: str):
-        self.model, self.pages = model, pages
+    def __init__(self, model: OCRModel, pages: list, mode: str, max_tokens: int = 256):
+        self.model, self.pages, self.max_tokens = model, pages, max_tokens
         with torch.inference_mode():
             self.features = torch.cat([model.encoder.encode_images([p.image for p in pages[i:i + 16]], mode)
                                        for i in range(0, len(pages), 16)]) if pages else None
@@ -135,7 +144,7 @@ class Validation:
         d = self.model.decoder
         codes = q.encode(self.features) if q is not None else None
         feats = q.decode(codes) if q is not None else self.features
-        hyps = read_pages(self.model, [d.layout_image(f.to(d.lm_head.weight.dtype)) for f in feats])
+        hyps = read_pages(self.model, [d.layout_image(f.to(d.lm_head.weight.dtype)) for f in feats], self.max_tokens)
         out = {"cer": round(float(np.mean([cer(h, p.text) for h, p in zip(hyps, self.pages)])), 4)}
         if codes is not None:
             out["code_usage"] = code_usage(codes, q)
@@ -159,9 +168,10 @@ def resume(run: Path, q: ScalarCodes, opt: torch.optim.Optimizer, expect: dict) 
     if not (run / "run.json").exists():
         return None
     meta = json.loads((run / "run.json").read_text())
-    for key, value in expect.items():
-        if meta.get(key) != value:
-            raise SystemExit(f"--run {run} holds a run with {key} {meta.get(key)!r}, not {value!r}: "
+    shown = lambda v: "the default" if v is None else v if isinstance(v, str) else json.dumps(v)
+    for key in IDENTITY:  # a field a run leaves out (targets, pages, more_text) is at its default; both ways
+        if meta.get(key) != expect.get(key):
+            raise SystemExit(f"--run {run} holds a run with {key} {shown(meta.get(key))}, not {shown(expect.get(key))}: "
                              f"resume it with its own settings or start another --run directory")
     state = load_file(str(run / "state.safetensors"))
     q.load_state_dict({k[2:]: v for k, v in state.items() if k.startswith("q.")})
@@ -199,7 +209,6 @@ def train_quantizer(args) -> None:
     frozen = base_digest(model)
     mode = model.config.get("ocr_latent", {}).get("mode", "base")
     docs = split_documents(load_corpus())
-    data = TrainingData(args, model, mode, docs)
     q = new_quantizer(args, model, mode).to(args.device)
     opt = torch.optim.AdamW(q.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     if args.grad_ckpt:  # recompute decoder layers in backward: activations of a 3B MoE are large
@@ -207,16 +216,18 @@ def train_quantizer(args) -> None:
             layer.forward = (lambda f: lambda *a, **k: torch.utils.checkpoint.checkpoint(f, *a, use_reentrant=False, **k))(layer.forward)
     fingerprint = base_fingerprint(model)
     identity = {"base_fingerprint": fingerprint, "geometry": q.geometry(), "seed": args.seed, "data": args.data,
-                **({"targets": "self"} if args.targets == "self" else {})}
-    meta = resume(run, q, opt, identity)
+                **({"targets": "self"} if args.targets == "self" else {}),
+                **({"pages": args.pages} if args.pages != "small" else {}), **({"more_text": True} if args.more_text else {})}
+    meta = resume(run, q, opt, identity)  # before the data: a run resumed with other settings is refused at once
+    data = TrainingData(args, model, mode, docs)
     if meta is None:
         initialise(args, q, data)
         meta = {**identity, "step": 0, "wall_s": 0.0, "curve": [], "val_curve": [], "code_commits": []}
     else:
         print(f"resuming {run} at step {meta['step']}")
     meta["code_commits"].append(code_commit())  # the code each (re)start read
-    val = Validation(model, list(PageStream(docs["val"], PageSpec(augment=False), seed=1, length=args.val_pages))
-                     if args.data == "pages" else [], mode)
+    val = Validation(model, list(PageStream(docs["val"], held_out_spec(args.pages), seed=1, length=args.val_pages))
+                     if args.data == "pages" else [], mode, args.max_tokens)
     if val.pages and "val_uncompressed" not in meta:
         meta["val_uncompressed"] = val(None)["cer"]
 
@@ -256,6 +267,12 @@ def train_quantizer(args) -> None:
     finish(args, model, q, meta, data, docs, mode, frozen, out)
 
 
+def test_metrics(model: OCRModel, q: ScalarCodes, test: list, mode: str, max_tokens: int) -> dict:
+    plain, coded = (evaluate(model, test, mode, quantizer=quantizer, max_tokens=max_tokens) for quantizer in (None, q))
+    return {"test_pages": len(test), "cer_uncompressed": round(plain["cer"], 4), "cer_codes": round(coded["cer"], 4),
+            "wer_uncompressed": round(plain["wer"], 4), "wer_codes": round(coded["wer"], 4)}
+
+
 def hyperparameters(args) -> dict:
     return {k: v for k, v in vars(args).items() if k not in ("cmd", "manifest")}
 
@@ -267,10 +284,10 @@ def finish(args, model, q, meta, data, docs, mode, frozen: str, out: Path) -> No
     q.eval()
     metrics = {}
     if args.data == "pages" and args.eval_pages:
-        test = list(test_pages(args.eval_pages, seed=2))
-        plain, coded = evaluate(model, test, mode), evaluate(model, test, mode, quantizer=q)
-        metrics = {"test_pages": len(test), "cer_uncompressed": round(plain["cer"], 4), "cer_codes": round(coded["cer"], 4),
-                   "wer_uncompressed": round(plain["wer"], 4), "wer_codes": round(coded["wer"], 4)}
+        metrics = test_metrics(model, q, list(test_pages(args.eval_pages, seed=2, spec=held_out_spec(args.pages))),
+                               mode, args.max_tokens)
+        if args.pages != "small":  # a base for other pages still owes v1's small pages what v1 reads of them
+            metrics["small_pages"] = test_metrics(model, q, list(test_pages(args.eval_pages, seed=2)), mode, 256)
         print(json.dumps(metrics))
     curve_every = max(1, len(meta["curve"]) // 100)
     record = {"kind": f"{q.kind} FSQ quantizer (base frozen)", "base_model": model.name, "base_dir": str(args.base),
@@ -307,6 +324,13 @@ def add_arguments(q) -> None:
                    help="self: the frozen base's own greedy uncompressed reading of each page, read once and cached "
                    "(no transcripts needed)")
     q.add_argument("--target-max-tokens", type=int, default=2048, help="--targets self: longest reading of a page")
+    q.add_argument("--pages", choices=sorted(PAGE_KINDS), default="small",
+                   help="--data pages: the kind of rendered pages (pages.PAGE_KINDS) trained on, validated and tested on; "
+                   "for any kind but v1's small pages the test reports those too")
+    q.add_argument("--more-text", action="store_true", help="--data pages: the training pages' text is drawn from the "
+                   "train-only documents too (held-out pages are unchanged)")
+    q.add_argument("--max-tokens", type=int, default=256, help="longest reading of a validation or test page "
+                   "(ordinary pages: 2048)")
     q.add_argument("--kind", choices=["cross_token", "token"], default="cross_token",
                    help="cross_token: attention across tokens on both sides; token: one linear map (+MLP) per token")
     q.add_argument("--width", type=int, default=192, help="cross_token: transformer width")
