@@ -10,6 +10,8 @@
 #   encoder, continued; decoder again
 #            the towers' 700 steps leave the reader at about twice the error of the towers trained for thousands
 #            (docs/training.md): the towers and their heads go on for 2,000 steps more, and a decoder reads them
+#   quantizer
+#            the decoder so far exported, and its quantizer trained with it frozen: what would ship as the default
 #   encoder and decoder on closer lines
 #            the tokens holding two lines are where reading fails, and level 0 has few: both go on with the lines of
 #            level 0 set closer (pages.closer_lines: the same glyphs, over twice the lines sharing a token row)
@@ -45,6 +47,16 @@ $PY train.py base --stage decoder --init "$RUNS/v4r-enc2" --decoder-from "$RUNS/
   --out "$RUNS/v4r-dec2" --cache-pages 4096 --steps 1500 --decay-from 1000 --batch 16 --bf16 --threads 2 \
   --eval-every 250 --val-pages 12 --max-tokens 1024 --save-every 50 --lr 5e-4 --warmup 30 --token-dropout 0.1 \
   --length-groups 8 --keep-best --seed 35
+
+# v4r-dec2 as a default would ship: exported (its test: 64 ordinary pages of the issue's kind, uncompressed), then its
+# quantizer, trained with it frozen on 8,192 fresh level-0 pages encoded once, tested on 256 held-out level-0 pages
+# and on v1's small pages. Each step is skipped once done (the quantizer file is written only when its run ends).
+[ -f "$RUNS/v4r-base2/.exported" ] || { $PY train.py export --run "$RUNS/v4r-dec2" --to "$RUNS/v4r-base2" --test-pages 64 \
+  --threads 2 --manifest "$RUNS/manifest.json" && touch "$RUNS/v4r-base2/.exported"; }
+[ -f "$RUNS/v4r-base2/quantizer.safetensors" ] || $PY train.py quantizer --base "$RUNS/v4r-base2" --pages level0 --more-text \
+  --cache-dir "$RUNS/cache-q-v4r2" --cache-pages 8192 --kind cross_token --width 192 --depth 2 --heads 4 --mlp-ratio 2 \
+  --steps 2000 --batch 16 --lr 1e-3 --warmup 100 --decay --weight-decay 0.01 --distill 1 --recon-weight 0.5 \
+  --val-pages 32 --eval-every 250 --save-every 50 --eval-pages 256 --max-tokens 1024 --threads 2 --manifest "$RUNS/manifest.json"
 
 $PY train.py base --stage encoder --init "$RUNS/v4r-enc2" --heads-from "$RUNS/v4r-enc2" --pages level0-close \
   --out "$RUNS/v4r-enc3" --steps 1500 --decay-from 1000 --batch 8 --bf16 --threads 2 --eval-every 100 --val-pages 8 \
