@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from ocr_latent.serving.pipeline import load_pipeline
 from ocr_latent.training.evaluation import read_as_served
-from ocr_latent.training.pages import ORDINARY, PageSpec, test_pages
+from ocr_latent.training.pages import ORDINARY, PageSpec, test_pages, toward_ordinary
 from ocr_latent.training.reading_metrics import cer
 
 CLEAN = {"augment": False}
@@ -28,6 +29,8 @@ KINDS = {  # name -> (what it is, its page spec)
     "small-9-lines": ("512x512, 9 lines at 22-30 px", PageSpec(min_lines=9, max_lines=9, min_line_spacing=1.1,
                                                                 max_line_spacing=1.2, min_font_size=22, **CLEAN)),
     "small-16px": ("512x512, 3-6 lines at 16 px", PageSpec(min_font_size=16, max_font_size=16, **CLEAN)),
+    "large-print": ("1024x1024 or letter/A4, 4-12 lines of up to 30 characters at 40-56 px (nano v4's level 0)",
+                    replace(toward_ordinary(0).specs[0], **CLEAN)),
     "ordinary": ("1024x1024, 15 lines of ~40 characters at 28 px", PageSpec(
         size=1024, min_lines=15, max_lines=15, min_chars_per_line=38, max_chars_per_line=42, min_font_size=28,
         max_font_size=28, min_margin=40, max_margin=100, min_line_spacing=1.3, max_line_spacing=1.5, **CLEAN)),
