@@ -51,10 +51,14 @@ def base_digest(model: OCRModel) -> str:
     return h.hexdigest()
 
 
-def held_out_spec(kind: str) -> PageSpec | PageMix:
+def held_out_spec(kind: str) -> PageSpec:
     """How held-out pages of a page kind are drawn: v1's small pages clean (the set the shipped quantizer reports
-    on), any other kind as it is trained on."""
-    return PageSpec(augment=False) if kind == "small" else PAGE_KINDS[kind]
+    on); any other kind as it is trained on, and of a mix (a curriculum level) its own pages alone, not the small
+    pages mixed in, which the test reports apart."""
+    if kind == "small":
+        return PageSpec(augment=False)
+    spec = PAGE_KINDS[kind]
+    return spec.specs[0] if isinstance(spec, PageMix) else spec
 
 
 def new_quantizer(args, model: OCRModel, mode: str) -> ScalarCodes:
@@ -325,8 +329,9 @@ def add_arguments(q) -> None:
                    "(no transcripts needed)")
     q.add_argument("--target-max-tokens", type=int, default=2048, help="--targets self: longest reading of a page")
     q.add_argument("--pages", choices=sorted(PAGE_KINDS), default="small",
-                   help="--data pages: the kind of rendered pages (pages.PAGE_KINDS) trained on, validated and tested on; "
-                   "for any kind but v1's small pages the test reports those too")
+                   help="--data pages: the kind of rendered pages (pages.PAGE_KINDS) trained on, validated and tested on "
+                   "(a curriculum level's own pages, without the small pages it mixes in); for any kind but v1's small "
+                   "pages the test reports those too")
     q.add_argument("--more-text", action="store_true", help="--data pages: the training pages' text is drawn from the "
                    "train-only documents too (held-out pages are unchanged)")
     q.add_argument("--max-tokens", type=int, default=256, help="longest reading of a validation or test page "
