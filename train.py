@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from ocr_latent.training import features, quantizer_trainer, self_reading
+from ocr_latent.architecture import DTYPE_NAMES
 from ocr_latent.checkpoint import OCRModel, file_sha256, load_model
 from ocr_latent.training.evaluation import evaluate, pixels_of, slot_accuracy
 from ocr_latent.training.losses import (AttentionTap, Pointer, char_cells, lines_held, order_targets, pointer_accuracy,
@@ -558,7 +559,11 @@ def export_base(args) -> None:
         fold_bottleneck(model, fsq)
         fsq.save(run / "bottleneck.safetensors", {"from_run": str(run), "note": "linear FSQ learned with the decoder; "
                                                   "start a quantizer from it with train.py quantizer --init PATH"})
-    save_run(model, to)
+    dtype = DTYPE_NAMES[args.dtype]
+    if dtype != "float32":  # the file says what it holds, as DeepSeek-OCR's own bf16 checkpoint does
+        model.config = {**model.config, "torch_dtype": dtype}
+    save_run(model, to, dtype=getattr(torch, dtype))
+    model = load_model(to)  # as the service will load it: the test reads what ships, rounded to --dtype
     docs = split_documents(load_corpus())
     kind = meta.get("args", {}).get("pages", "small")
     # a model of ordinary pages is tested on ordinary pages as photographed (the small-page set stays as it was)
@@ -663,6 +668,8 @@ def main(argv=None, prog: str | None = None) -> None:
     e = sub.add_parser("export", help="copy a training run's model to a servable directory")
     e.add_argument("--run", default="runs/nano")
     e.add_argument("--to", default="weights/nano")
+    e.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="precision of the stored weights "
+                   "(bf16: half the size; the service still loads them at DTYPE, fp32 by default)")
     e.add_argument("--test-pages", type=int, default=64)
     e.add_argument("--threads", type=int, default=1)
     e.add_argument("--manifest", default=str(ROOT / "training_manifest.json"))

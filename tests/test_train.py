@@ -226,6 +226,13 @@ def test_staged_base_training_trains_only_its_part_and_resumes(tmp_path, capsys)
         (str(enc_run), "encoder", 3), (str(wide_run), "encoder", 1), (str(dec_run), "decoder", 2), (str(spliced), "decoder", 1)]
     assert record["stages"][-1]["hyperparameters"]["decoder_from"] == str(dec_run)
     assert record["steps"] == 7 and record["test_metrics_uncompressed"]["pages"] == 2
+    # --dtype bf16: half the bytes, the file saying so, and the weights the run's rounded to bf16, read back at fp32
+    half, shard = tmp_path / "nano-bf16", "model-00001-of-000001.safetensors"
+    train.main(["export", "--run", str(spliced), "--to", str(half), "--dtype", "bf16", "--test-pages", "1", "--manifest", str(manifest)])
+    assert (half / shard).stat().st_size < 0.6 * (exported / shard).stat().st_size
+    assert json.loads((half / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    rounded = {k: v.to(torch.bfloat16).float() for k, v in params(load_model(exported))[1].items()}
+    assert not changed(rounded, params(load_model(half))[1])
 
 
 @pytest.mark.slow  # trains

@@ -243,8 +243,9 @@ def widened_nano(narrow: OCRModel, seed: int, towers: tuple[str, ...] = ("sam",)
     return OCRModel(cfg, encoder, decoder, narrow.tokens, narrow.tokenizer)
 
 
-def save_run(model: OCRModel, out: Path, extra: dict[str, torch.Tensor] | None = None) -> None:
-    save_model(model, out)
+def save_run(model: OCRModel, out: Path, extra: dict[str, torch.Tensor] | None = None,
+             dtype: torch.dtype = torch.float32) -> None:
+    save_model(model, out, dtype)
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(model.tokenizer), indent=1) + "\n")
     if extra:
         save_file({k: v.detach().contiguous() for k, v in extra.items()}, str(out / "train_state.safetensors"))
