@@ -5,6 +5,7 @@
   python train.py quantizer --base weights/nano --steps 600    # -> weights/nano/quantizer.safetensors
   python train.py quantizer --targets self --data scans/       # no transcripts: the base's own reading
   python train.py report --data held-out/                      # codes' reading vs the uncompressed one
+  python train.py ship runs/joint-bank/nano                    # a banked base + quantizer become the default
 
 The entry point. The nano model is defined in training/nano.py, the losses in training/losses.py, evaluation in
 training/evaluation.py, feature caches in training/features.py, the manifest in training/manifest.py; the
@@ -592,6 +593,50 @@ def export_base(args) -> None:
     print(f"exported step {meta['step']} to {to}: test CER {val['cer']:.4f} WER {val['wer']:.4f} on {val['pages']} pages")
 
 
+SHIPPED_FILES = ("config.json", "model-00001-of-000001.safetensors", "model.safetensors.index.json", "tokenizer.json",
+                 "tokenizer_config.json", "quantizer.safetensors", "quantizer.json")
+
+
+def ship(args) -> None:
+    """Make a banked default (a base exported to a directory named nano, and its quantizer) the embedded one: its
+    files replace weights/nano, its two records replace the manifest's (theirs move to 'earlier'), with their curves.
+    Only what the records describe ships: the files' hashes must match, and the code must have been committed."""
+    src, to, manifest = Path(args.source), Path(args.to), Path(args.manifest)
+    bank = Path(args.bank_manifest) if args.bank_manifest else src.parent / "manifest.json"
+    missing = [name for name in SHIPPED_FILES if not (src / name).exists()]
+    if missing or not bank.exists():
+        raise SystemExit(f"{src}: not a banked default ({', '.join(missing) or bank.name} missing); "
+                         f"make one with training/nano4.sh's bank step")
+    records = json.loads(bank.read_text())["artifacts"]
+    base, quantizer = records.get(f"{src.name}/base"), records.get(f"{src.name}/quantizer")
+    problems = []
+    if not base or base["weights_sha256"] != file_sha256(src / "model-00001-of-000001.safetensors"):
+        problems.append(f"{bank} has no record of the base in {src} as it is")
+    if not quantizer or quantizer["weights_sha256"] != file_sha256(src / "quantizer.safetensors"):
+        problems.append(f"{bank} has no record of the quantizer in {src} as it is")
+    problems += [f"its {what} was made by uncommitted code ({rec['code_commit']}); train it again from a commit"
+                 for what, rec in (("base", base), ("quantizer", quantizer))
+                 if rec and rec.get("code_commit", "").endswith("+uncommitted")]
+    if problems:
+        raise SystemExit("nothing shipped: " + "; ".join(problems))
+    to.mkdir(parents=True, exist_ok=True)
+    for name in SHIPPED_FILES:  # each file whole: a copy beside it, then renamed over the old
+        shutil.copyfile(src / name, to / f".{name}.tmp")
+        (to / f".{name}.tmp").rename(to / name)
+    for path in to.iterdir():  # nothing of the previous default stays (another shard count, say)
+        if path.name not in SHIPPED_FILES:
+            path.unlink()
+    curves = [stage["curve_file"] for stage in base.get("stages", []) if "curve_file" in stage] + \
+             ([quantizer["curve_file"]] if "curve_file" in quantizer else [])
+    for curve in curves:
+        (manifest.parent / curve).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(bank.parent / curve, manifest.parent / curve)
+    shipped_as = str(to.resolve().relative_to(ROOT)) if to.resolve().is_relative_to(ROOT) else str(to)
+    for kind, record in (("base", base), ("quantizer", quantizer)):
+        update_manifest(f"nano/{kind}", {**record, "shipped_as": shipped_as}, manifest)
+    print(f"shipped {src} as {to}: base {base['weights_sha256'][:12]}, quantizer {quantizer['weights_sha256'][:12]}")
+
+
 def main(argv=None, prog: str | None = None) -> None:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -673,6 +718,11 @@ def main(argv=None, prog: str | None = None) -> None:
     e.add_argument("--test-pages", type=int, default=64)
     e.add_argument("--threads", type=int, default=1)
     e.add_argument("--manifest", default=str(ROOT / "training_manifest.json"))
+    s = sub.add_parser("ship", help="make a banked default (training/nano4.sh's bank step) the embedded one")
+    s.add_argument("source", help="the banked directory (named nano: a base and its quantizer)")
+    s.add_argument("--to", default=str(ROOT / "weights" / "nano"))
+    s.add_argument("--bank-manifest", help="the records of the banked files (default: SOURCE/../manifest.json)")
+    s.add_argument("--manifest", default=str(ROOT / "training_manifest.json"))
     q = sub.add_parser("quantizer", help="train the quantizer of a frozen base (resumable)")
     quantizer_trainer.add_arguments(q)
     q.add_argument("--manifest", default=str(ROOT / "training_manifest.json"))
@@ -680,9 +730,10 @@ def main(argv=None, prog: str | None = None) -> None:
                        "page by page, for any directory of images and PDFs (no transcripts needed)")
     self_reading.add_report_arguments(r)
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    if hasattr(args, "threads"):
+        torch.set_num_threads(args.threads)
     {"base": train_base, "export": export_base, "quantizer": quantizer_trainer.train_quantizer,
-     "report": self_reading.report}[args.cmd](args)
+     "report": self_reading.report, "ship": ship}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,17 @@ def needs_shared(*parts: str) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def nano_v1(tmp_path_factory) -> Path:
+    """Nano v1, the default before v4 (3 decoder layers, ASCII), read from the commit that shipped it; skip in a
+    clone without that history (a shallow one)."""
+    from ocr_latent.training.nano import shipped_v1
+    try:
+        return shipped_v1(tmp_path_factory.mktemp("nano-v1"))
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
 def small_config(vocab: int = 300, experts: int = 8, top_k: int = 3, layers: int = 3) -> dict:
     """A DeepSeek-OCR config.json in the original layout at toy sizes (CLIP width = SAM output)."""
     language = {"bos_token_id": 0, "eos_token_id": 1, "first_k_dense_replace": 1, "hidden_size": 64,

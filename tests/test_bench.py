@@ -51,11 +51,11 @@ def test_the_gpu_suite_runs_every_section_at_tiny_sizes(tmp_path):
     assert set(suite["headline"]) >= {"serve_compiled_healthy_s", "encode_pages_per_s", "timeline", "quantizer", "agreement"}
 
 
-def test_the_curriculum_levels_bench_reads_the_small_pages_and_not_level_0():
-    """bench/curriculum_levels.py on the embedded nano v1: its own small pages read (CER well under 0.5),
+def test_the_curriculum_levels_bench_reads_the_small_pages_and_not_level_0(nano_v1):
+    """bench/curriculum_levels.py on nano v1: its own small pages read (CER well under 0.5),
     the 40-56 px ordinary pages of the curriculum's level 0 not (its layout is new to v1): the figures
     docs/training.md gives for the v3 run's start."""
-    out = subprocess.run([sys.executable, "bench/curriculum_levels.py", "--levels", "small,0", "--pages", "2",
+    out = subprocess.run([sys.executable, "bench/curriculum_levels.py", str(nano_v1), "--levels", "small,0", "--pages", "2",
                           "--max-tokens", "256", "--split-at", "48", "--by-line", "--show", "2"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -81,7 +81,7 @@ def test_the_curriculum_levels_bench_reads_the_small_pages_and_not_level_0():
                        for p in pages for line, shares in zip(p.lines, lines_sharing_a_row(p)))
 
 
-def test_the_curriculum_levels_bench_reads_teacher_forced_by_kind_of_line():
+def test_the_curriculum_levels_bench_reads_teacher_forced_by_kind_of_line(nano_v1):
     """--teacher-forced: v1 predicts most characters of its own small pages right given the text before them, every
     character but spaces and line ends counted once in one kind of line; level-0 pages with Latin-1 letters, which
     v1's tokenizer cannot write one token a character, are left out and counted, not misread."""
@@ -89,7 +89,7 @@ def test_the_curriculum_levels_bench_reads_teacher_forced_by_kind_of_line():
     from ocr_latent.checkpoint import load_model
     from ocr_latent.training.pages import LINE_KINDS, level_pages, load_corpus, split_documents
 
-    model, docs = load_model(str(ROOT / "weights" / "nano")), split_documents(load_corpus())["val"]
+    model, docs = load_model(str(nano_v1)), split_documents(load_corpus())["val"]
     pages = level_pages(docs, "small", 3, 21)
     read = teacher_forced_by_line(model, pages)
     assert read["pages_left_out"] == 0
@@ -116,13 +116,13 @@ def test_lines_sharing_a_row_of_tokens_are_told_from_lines_with_a_row_to_themsel
     assert lines_sharing_a_row(page) == [True, True, False]
 
 
-def test_the_pointer_heads_bench_finds_the_head_v1_reads_with(capsys):
+def test_the_pointer_heads_bench_finds_the_head_v1_reads_with(capsys, nano_v1):
     """v1's decoder learned a pointer of its own: a head of its last layer looks at the token showing the character
     it writes for most characters; no head of layer 1 does. Every character a token shows is counted once, as
     on a line sharing a token row or on one with a row to itself."""
     from bench.pointer_heads import main as pointer_heads
     from ocr_latent.training.pages import level_pages, load_corpus, split_documents
-    pointer_heads(["--level", "small", "--pages", "3"])
+    pointer_heads([str(nano_v1), "--level", "small", "--pages", "3"])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     heads = report["heads"]
     assert len(heads) == 3 and all(len(row) == 4 for row in heads)
@@ -133,12 +133,12 @@ def test_the_pointer_heads_bench_finds_the_head_v1_reads_with(capsys):
     assert last["lines sharing a token row"]["chars"] + last["lines with a token row to themselves"]["chars"] == last["all"]["chars"]
 
 
-def test_the_pointer_heads_bench_measures_a_line_pointer_s_targets(capsys):
+def test_the_pointer_heads_bench_measures_a_line_pointer_s_targets(capsys, nano_v1):
     """--second-lines scores each head against a line pointer's targets: the token for the characters of the lower
     of two lines sharing it, BOS for every other character. v1 was never taught one: its pointer head finds the
     lower lines' tokens, as it finds every character's, and no head of it rests on BOS."""
     from bench.pointer_heads import main as pointer_heads
-    pointer_heads(["--level", "small", "--pages", "3", "--seed", "53", "--second-lines"])  # pages with two lines sharing a row
+    pointer_heads([str(nano_v1), "--level", "small", "--pages", "3", "--seed", "53", "--second-lines"])  # pages with two lines sharing a row
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     last = next(best for name, best in report["best"].items() if name.startswith("layer 2,"))
     lower, bos = last["the lower line's token"], last["BOS"]

@@ -26,8 +26,11 @@ def test_a_config_the_decoder_does_not_implement_is_refused_naming_the_key(tmp_p
         load_model(model_dir)
 
 
-def test_the_configs_it_implements_load():
-    assert load_model(NANO).decoder.cfg.num_hidden_layers == 3
+def test_the_configs_it_implements_load(nano_v1):
+    for model_dir in (NANO, nano_v1):  # the default, and v1 before it (another depth, tokenizer and towers)
+        layers = read_config(model_dir)["language_config"]["num_hidden_layers"]
+        assert len(load_model(model_dir).decoder.layers) == layers
+    assert read_config(nano_v1)["language_config"]["num_hidden_layers"] == 3
     build_modules(small_config())  # no routing keys at all: the code defaults
 
 

@@ -122,6 +122,50 @@ def test_manifest_records_every_source_with_hash_and_split():
     assert manifest["nano/quantizer"]["base_fingerprint"] == json.loads((NANO / "quantizer.json").read_text())["base_fingerprint"]
 
 
+def test_ship_makes_a_banked_default_the_embedded_one_with_its_records(tmp_path):
+    """`train.py ship` puts a banked base and quantizer in place of the default, their records in the manifest (the
+    ones they replace kept under 'earlier') with their curves; files their records do not describe, or made by
+    uncommitted code, ship nothing."""
+    shipped = json.loads((ROOT / "training_manifest.json").read_text())["artifacts"]
+    bank = tmp_path / "bank" / "nano"
+    shutil.copytree(NANO, bank)
+    records = {"nano/base": shipped["nano/base"], "nano/quantizer": shipped["nano/quantizer"]}
+    (bank.parent / "manifest.json").write_text(json.dumps({"artifacts": records}))
+    curves = [st["curve_file"] for st in records["nano/base"]["stages"]] + [records["nano/quantizer"]["curve_file"]]
+    for curve in curves:
+        (bank.parent / curve).parent.mkdir(exist_ok=True)
+        shutil.copyfile(ROOT / curve, bank.parent / curve)
+    to, manifest = tmp_path / "weights" / "nano", tmp_path / "training_manifest.json"
+    to.mkdir(parents=True)
+    (to / "model-00002-of-000002.safetensors").write_bytes(b"an older default's shard")
+    older = {"kind": "base model trained from scratch", "weights_sha256": "0" * 64}
+    manifest.write_text(json.dumps({"artifacts": {"nano/base": older}}))
+
+    def ship(*extra):
+        train.main(["ship", str(bank), "--to", str(to), "--manifest", str(manifest), *extra])
+
+    (bank / "quantizer.safetensors").write_bytes((NANO / "quantizer.safetensors").read_bytes()[:-1] + b"\0")
+    with pytest.raises(SystemExit, match="nothing shipped: .* no record of the quantizer"):
+        ship()
+    shutil.copyfile(NANO / "quantizer.safetensors", bank / "quantizer.safetensors")
+    uncommitted = {**records, "nano/base": {**records["nano/base"], "code_commit": "abc+uncommitted"}}
+    (bank.parent / "other.json").write_text(json.dumps({"artifacts": uncommitted}))
+    with pytest.raises(SystemExit, match="base was made by uncommitted code"):
+        ship("--bank-manifest", str(bank.parent / "other.json"))
+    assert sorted(p.name for p in to.iterdir()) == ["model-00002-of-000002.safetensors"]  # nothing moved yet
+
+    ship()
+    assert sorted(p.name for p in to.iterdir()) == sorted(train.SHIPPED_FILES)
+    assert all((to / name).read_bytes() == (NANO / name).read_bytes() for name in train.SHIPPED_FILES)
+    after = json.loads(manifest.read_text())
+    assert after["artifacts"]["nano/base"]["weights_sha256"] == shipped["nano/base"]["weights_sha256"]
+    assert after["artifacts"]["nano/quantizer"]["shipped_as"] == str(to)
+    assert after["earlier"]["0" * 64]["artifact"] == "nano/base"
+    assert all((tmp_path / curve).read_bytes() == (ROOT / curve).read_bytes() for curve in curves)
+    fsq, _ = load_quantizer(to / "quantizer.safetensors", load_model(to))  # the shipped pair loads as a pair
+    assert fsq.geometry() == records["nano/quantizer"]["geometry"]
+
+
 @pytest.mark.slow  # trains
 def test_staged_base_training_trains_only_its_part_and_resumes(tmp_path, capsys):
     """`base --stage encoder` moves the towers and projector only; `--stage decoder` (cached features)
@@ -297,13 +341,13 @@ def test_length_grouped_batches_draw_every_page_once_an_epoch_with_little_paddin
     assert train.length_grouped_batch(lengths, 8, 125, 3, 16) != epoch[0]  # the next epoch, another order
 
 
-def test_a_grown_nano_reads_as_the_v1_it_grew_from_and_spells_latin1():
+def test_a_grown_nano_reads_as_the_v1_it_grew_from_and_spells_latin1(nano_v1):
     """nano v3 starts as v1 (new blocks are the identity, v1's tokens keep their ids), with more depth
     to learn ordinary pages and a tokenizer that spells the Latin-1 letters."""
     from ocr_latent.training.losses import teacher_forced_logits
     from ocr_latent.training.nano import grown_nano
     from ocr_latent.training.pages import test_pages
-    v1 = load_model(NANO)
+    v1 = load_model(nano_v1)
     grown = grown_nano(v1, seed=0)
     assert len(grown.encoder.sam_model.blocks) == 2 * len(v1.encoder.sam_model.blocks)
     assert len(grown.decoder.layers) == len(v1.decoder.layers) + 1
@@ -320,14 +364,14 @@ def test_a_grown_nano_reads_as_the_v1_it_grew_from_and_spells_latin1():
 
 
 @pytest.mark.parametrize("towers", [("sam",), ("sam", "clip"), ("clip",)])
-def test_a_widened_nano_computes_what_it_was_widened_from_with_copies_free_to_learn_apart(towers):
+def test_a_widened_nano_computes_what_it_was_widened_from_with_copies_free_to_learn_apart(towers, nano_v1):
     """A widened nano (v4 is v3 widened) doubles SAM's channels of a trained model (glyphs of ordinary
     text are one or two patches): it starts reading exactly as the narrow one did, a patch head split over
     the neck's copies reads the same, and the copies are read with different weights, so training can
     make them differ."""
     from ocr_latent.training.nano import split_inputs, widened_nano
     from ocr_latent.training.pages import test_pages
-    v3 = load_model(NANO)
+    v3 = load_model(nano_v1)
     v4 = widened_nano(v3, seed=1, towers=towers)
     twice = lambda name: getattr(v4.encoder.cfg, name) == 2 * getattr(v3.encoder.cfg, name)
     assert all(twice(name) == ("sam" in towers) for name in ("sam_width", "sam_heads", "sam_neck_channels"))

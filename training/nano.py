@@ -249,3 +249,39 @@ def save_run(model: OCRModel, out: Path, extra: dict[str, torch.Tensor] | None =
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(model.tokenizer), indent=1) + "\n")
     if extra:
         save_file({k: v.detach().contiguous() for k, v in extra.items()}, str(out / "train_state.safetensors"))
+
+
+# Nano v1, the default until nano v4 replaced it (3 decoder layers, ASCII, 512 px pages of large print): what the
+# v4 chain grows from and what the benches of its pointer head measure. The tree holds one default (the working
+# tree a device machine takes is 64 MiB); v1 is read from the commit that shipped it.
+V1_COMMIT = "d94d9b634e0ae7b3578b64e115f5593646990d67"
+V1_FILES = ("config.json", "model-00001-of-000001.safetensors", "model.safetensors.index.json", "quantizer.json",
+            "quantizer.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def shipped_v1(dest: Path) -> Path:
+    """Write nano v1's files, as shipped, to `dest` (kept if already there) and return it. Needs the repository's
+    history: a shallow clone lacks the commit, and the error says how to fetch it."""
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    if all((dest / name).exists() for name in V1_FILES):
+        return dest
+    found = subprocess.run(["git", "-C", str(root), "cat-file", "-e", f"{V1_COMMIT}^{{commit}}"], capture_output=True)
+    if found.returncode:
+        raise FileNotFoundError(f"nano v1 is read from commit {V1_COMMIT[:12]} of this repository, which this clone "
+                                f"lacks (a shallow clone?); run `git fetch --unshallow` in {root}")
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in V1_FILES:  # each file complete before the next, and the set complete only once the last is there
+        blob = subprocess.run(["git", "-C", str(root), "show", f"{V1_COMMIT}:weights/nano/{name}"], capture_output=True,
+                              check=True).stdout
+        tmp = dest / f".{name}.tmp"
+        tmp.write_bytes(blob)
+        tmp.rename(dest / name)
+    return dest
+
+
+if __name__ == "__main__":
+    import argparse
+    ap = argparse.ArgumentParser(description="Write nano v1, the default before v4, from this repository's history.")
+    ap.add_argument("--v1-to", type=Path, required=True, help="directory to write it to")
+    print(shipped_v1(ap.parse_args().v1_to))
