@@ -24,7 +24,8 @@
 #   BF16=        train in fp32: on a CPU without native bf16 (AVX2, no AVX512-BF16 or AMX) bf16 autocast is about
 #                ten times slower than fp32, and fp32 there is about 1.5 times slower than bf16 where it is native
 #   SHIP=joint   stop after the joint stage, banked (below) with a quantizer started from v1's: what a session too
-#                short for the whole chain can ship; Q_PAGES and Q_STEPS size its quantizer run
+#                short for the whole chain can ship; Q_PAGES and Q_STEPS size its quantizer run, Q_TEST_PAGES its test
+#                (reading a held-out level-0 page takes this CPU about 6 s, uncompressed and again through the codes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-runs}
@@ -61,7 +62,8 @@ $PY train.py base --stage joint --grow-from "$v1" --pages level0 --more-text --o
 # their decoder): a session too short for the rest ships it, its quantizer started from v1's (the same geometry; the
 # grown model began as v1, so v1's codes are a start, not noise)
 if [ "${SHIP:-}" = joint ]; then
-  bank "$RUNS/v4r-joint" "$RUNS/joint-bank/nano" "${Q_PAGES:-2048}" "${Q_STEPS:-1000}" --init "$v1/quantizer.safetensors"
+  bank "$RUNS/v4r-joint" "$RUNS/joint-bank/nano" "${Q_PAGES:-2048}" "${Q_STEPS:-1000}" --init "$v1/quantizer.safetensors" \
+    --eval-pages "${Q_TEST_PAGES:-256}"
   exit 0
 fi
 
