@@ -20,7 +20,8 @@ SPEC = PageSpec(augment=False)  # what the embedded default reads: see the READM
 
 def main() -> None:
     stream = test_pages(40, seed=20, spec=SPEC)
-    page, first, second = stream[3], stream[21], stream[32]
+    # of the first 40 pages, three the default (nano v3) reads through the codes at CER 0.03 or better
+    page, first, second = stream[5], stream[21], stream[30]
     page.image.save(HERE / "page.png", optimize=True)
     (HERE / "page.txt").write_text(page.text + "\n")
     first.image.save(HERE / "two-pages.pdf", save_all=True, append_images=[second.image], resolution=96)

