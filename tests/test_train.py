@@ -38,7 +38,7 @@ def test_a_few_quantizer_steps_lower_the_loss_and_write_a_loadable_quantizer(tmp
     record = json.loads(manifest.read_text())["artifacts"][f"{tmp_path.name}/quantizer"]
     ce = [row["ce"] for row in record["curve"]]
     assert len(ce) == 8 and ce[-1] < ce[0]  # the same 4 pages every step
-    assert record["geometry"]["num_codes"] == 4096 and record["base_model"] == "ocr-latent/nano"
+    assert record["geometry"]["num_codes"] == 4096 and record["base_model"] == load_model(NANO).name
     assert record["data"] == {"dir": str(page_dir), "pages": 4, "draws": 32} and record["hyperparameters"]["steps"] == 8
     fsq, _ = load_quantizer(out, load_model(NANO))  # fingerprint matches the base it was trained on
     assert fsq.num_codes == 4096
