@@ -494,11 +494,11 @@ def test_the_pointer_loss_reads_the_attention_the_decoder_computes():
 
 
 @pytest.mark.slow  # trains
-def test_a_decoder_stage_with_the_pointer_loss_teaches_its_heads_where_to_look(tmp_path):
+def test_a_decoder_stage_with_the_pointer_loss_teaches_its_heads_where_to_look(tmp_path, nano_v1):
     """Guided heads that start looking elsewhere (v1's head 0 of layers 1 and 2 point at the right token for
     under 1 % of the characters) learn to look at the token showing the character they predict."""
     run = tmp_path / "dec"
-    train.main(["base", "--stage", "decoder", "--init", str(NANO), "--out", str(run), "--steps", "8", "--batch", "4",
+    train.main(["base", "--stage", "decoder", "--init", str(nano_v1), "--out", str(run), "--steps", "8", "--batch", "4",
                 "--cache-pages", "4", "--val-pages", "2", "--eval-every", "4", "--threads", "2", "--save-every", "4",
                 "--lr", "3e-3", "--warmup", "1", "--pointer-weight", "1", "--pointer-heads", "1:0,2:0",
                 "--line-pointer-heads", "2:1"])
@@ -510,5 +510,5 @@ def test_a_decoder_stage_with_the_pointer_loss_teaches_its_heads_where_to_look(t
     assert len(cells["cells"]) == 4 and cells["placement"].startswith("grid 16, shift 0.0")
     assert set(cells["cells"][0]) == {"every", "second_lines"}
     with pytest.raises(SystemExit, match="layer:head pairs"):
-        train.main(["base", "--stage", "decoder", "--init", str(NANO), "--out", str(tmp_path / "bad"), "--steps", "1",
+        train.main(["base", "--stage", "decoder", "--init", str(nano_v1), "--out", str(tmp_path / "bad"), "--steps", "1",
                     "--cache-pages", "4", "--pointer-weight", "1", "--pointer-heads", "3:0"])
