@@ -35,7 +35,7 @@ from ocr_latent.training.evaluation import evaluate, pixels_of, slot_accuracy
 from ocr_latent.training.losses import (AttentionTap, Pointer, char_cells, lines_held, order_targets, pointer_accuracy,
                                        teacher_forced_logits, teacher_forced_loss)
 from ocr_latent.training.manifest import ROOT, curve_file, data_record, update_manifest
-from ocr_latent.training.nano import grown_nano, model_charset, new_nano, save_run, split_inputs, widened_nano
+from ocr_latent.training.nano import DEFAULT_FILES, grown_nano, model_charset, new_nano, save_run, split_inputs, widened_nano
 from ocr_latent.training.recipe import code_fsq, cosine_to_tenth
 from ocr_latent.training.pages import (CURRICULUM_LEVELS, FIELD_SHIFT, ORDINARY, PAGE_KINDS, PageSpec, PageStream, char_targets,
                                       level_pages, load_corpus, on_lines, split_documents, test_pages, toward_ordinary,
@@ -548,6 +548,11 @@ def run_history(run: Path) -> tuple[list[dict], list[str]]:
     return stages, starts
 
 
+def recorded_path(path: Path) -> str:
+    """A path as the manifest records it: relative to the repository when inside it (weights/nano), else as given."""
+    return str(path.resolve().relative_to(ROOT)) if path.resolve().is_relative_to(ROOT) else str(path)
+
+
 def export_base(args) -> None:
     """Copy a training run's model (not its optimiser state) to a servable original-layout directory."""
     run, to = Path(args.run), Path(args.to)
@@ -576,7 +581,7 @@ def export_base(args) -> None:
         docs["train-only"] = train_only_documents()
     manifest_path = Path(args.manifest)
     previous = json.loads(manifest_path.read_text())["artifacts"].get(f"{to.name}/base") if manifest_path.exists() else None
-    record = {"kind": "base model trained from scratch", "dir": str(to.resolve().relative_to(ROOT)) if to.resolve().is_relative_to(ROOT) else str(to),
+    record = {"kind": "base model trained from scratch", "dir": recorded_path(to),
               "config": model.config, "steps": sum(s["steps"] for s in stages), "wall_s": sum(s["wall_s"] for s in stages),
               "stages": stages, "seed": meta.get("seed"),
               "data": data_record(docs, meta.get("seed", 0), PAGE_KINDS[kind], {"train": "stream, batch x steps",
@@ -593,17 +598,13 @@ def export_base(args) -> None:
     print(f"exported step {meta['step']} to {to}: test CER {val['cer']:.4f} WER {val['wer']:.4f} on {val['pages']} pages")
 
 
-SHIPPED_FILES = ("config.json", "model-00001-of-000001.safetensors", "model.safetensors.index.json", "tokenizer.json",
-                 "tokenizer_config.json", "quantizer.safetensors", "quantizer.json")
-
-
 def ship(args) -> None:
     """Make a banked default (a base exported to a directory named nano, and its quantizer) the embedded one: its
     files replace weights/nano, its two records replace the manifest's (theirs move to 'earlier'), with their curves.
     Only what the records describe ships: the files' hashes must match, and the code must have been committed."""
     src, to, manifest = Path(args.source), Path(args.to), Path(args.manifest)
     bank = Path(args.bank_manifest) if args.bank_manifest else src.parent / "manifest.json"
-    missing = [name for name in SHIPPED_FILES if not (src / name).exists()]
+    missing = [name for name in DEFAULT_FILES if not (src / name).exists()]
     if missing or not bank.exists():
         raise SystemExit(f"{src}: not a banked default ({', '.join(missing) or bank.name} missing); "
                          f"make one with training/nano4.sh's bank step")
@@ -620,20 +621,19 @@ def ship(args) -> None:
     if problems:
         raise SystemExit("nothing shipped: " + "; ".join(problems))
     to.mkdir(parents=True, exist_ok=True)
-    for name in SHIPPED_FILES:  # each file whole: a copy beside it, then renamed over the old
+    for name in DEFAULT_FILES:  # each file whole: a copy beside it, then renamed over the old
         shutil.copyfile(src / name, to / f".{name}.tmp")
         (to / f".{name}.tmp").rename(to / name)
     for path in to.iterdir():  # nothing of the previous default stays (another shard count, say)
-        if path.name not in SHIPPED_FILES:
+        if path.name not in DEFAULT_FILES:
             path.unlink()
     curves = [stage["curve_file"] for stage in base.get("stages", []) if "curve_file" in stage] + \
              ([quantizer["curve_file"]] if "curve_file" in quantizer else [])
     for curve in curves:
         (manifest.parent / curve).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(bank.parent / curve, manifest.parent / curve)
-    shipped_as = str(to.resolve().relative_to(ROOT)) if to.resolve().is_relative_to(ROOT) else str(to)
     for kind, record in (("base", base), ("quantizer", quantizer)):
-        update_manifest(f"nano/{kind}", {**record, "shipped_as": shipped_as}, manifest)
+        update_manifest(f"nano/{kind}", {**record, "shipped_as": recorded_path(to)}, manifest)
     print(f"shipped {src} as {to}: base {base['weights_sha256'][:12]}, quantizer {quantizer['weights_sha256'][:12]}")
 
 

@@ -158,8 +158,8 @@ def test_ship_makes_a_banked_default_the_embedded_one_with_its_records(tmp_path)
     assert sorted(p.name for p in to.iterdir()) == ["model-00002-of-000002.safetensors"]  # nothing moved yet
 
     ship()
-    assert sorted(p.name for p in to.iterdir()) == sorted(train.SHIPPED_FILES)
-    assert all((to / name).read_bytes() == (NANO / name).read_bytes() for name in train.SHIPPED_FILES)
+    assert sorted(p.name for p in to.iterdir()) == sorted(train.DEFAULT_FILES)
+    assert all((to / name).read_bytes() == (NANO / name).read_bytes() for name in train.DEFAULT_FILES)
     after = json.loads(manifest.read_text())
     assert after["artifacts"]["nano/base"]["weights_sha256"] == shipped["nano/base"]["weights_sha256"]
     assert after["artifacts"]["nano/quantizer"]["shipped_as"] == str(to)

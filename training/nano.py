@@ -255,8 +255,9 @@ def save_run(model: OCRModel, out: Path, extra: dict[str, torch.Tensor] | None =
 # v4 chain grows from and what the benches of its pointer head measure. The tree holds one default (the working
 # tree a device machine takes is 64 MiB); v1 is read from the commit that shipped it.
 V1_COMMIT = "d94d9b634e0ae7b3578b64e115f5593646990d67"
-V1_FILES = ("config.json", "model-00001-of-000001.safetensors", "model.safetensors.index.json", "quantizer.json",
-            "quantizer.safetensors", "tokenizer.json", "tokenizer_config.json")
+# what a default's directory holds (weights/nano): the base in the original layout, its tokenizer, its quantizer
+DEFAULT_FILES = ("config.json", "model-00001-of-000001.safetensors", "model.safetensors.index.json", "tokenizer.json",
+                 "tokenizer_config.json", "quantizer.safetensors", "quantizer.json")
 
 
 def shipped_v1(dest: Path) -> Path:
@@ -264,14 +265,14 @@ def shipped_v1(dest: Path) -> Path:
     history: a shallow clone lacks the commit, and the error says how to fetch it."""
     import subprocess
     root = Path(__file__).resolve().parents[1]
-    if all((dest / name).exists() for name in V1_FILES):
+    if all((dest / name).exists() for name in DEFAULT_FILES):
         return dest
     found = subprocess.run(["git", "-C", str(root), "cat-file", "-e", f"{V1_COMMIT}^{{commit}}"], capture_output=True)
     if found.returncode:
         raise FileNotFoundError(f"nano v1 is read from commit {V1_COMMIT[:12]} of this repository, which this clone "
                                 f"lacks (a shallow clone?); run `git fetch --unshallow` in {root}")
     dest.mkdir(parents=True, exist_ok=True)
-    for name in V1_FILES:  # each file complete before the next, and the set complete only once the last is there
+    for name in DEFAULT_FILES:  # each file complete before the next, and the set complete only once the last is there
         blob = subprocess.run(["git", "-C", str(root), "show", f"{V1_COMMIT}:weights/nano/{name}"], capture_output=True,
                               check=True).stdout
         tmp = dest / f".{name}.tmp"
