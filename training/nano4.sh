@@ -26,6 +26,8 @@
 #   SHIP=joint   stop after the joint stage, banked (below) with a quantizer started from v1's: what a session too
 #                short for the whole chain can ship; Q_PAGES and Q_STEPS size its quantizer run, Q_TEST_PAGES its test
 #                (reading a held-out level-0 page takes this CPU about 6 s, uncompressed and again through the codes)
+#   SHIP=joint2  the same, then the joint stage continued for J_STEPS and banked again (with the first bank's
+#                quantizer as its quantizer's start)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-runs}
@@ -64,6 +66,20 @@ $PY train.py base --stage joint --grow-from "$v1" --pages level0 --more-text --o
 if [ "${SHIP:-}" = joint ]; then
   bank "$RUNS/v4r-joint" "$RUNS/joint-bank/nano" "${Q_PAGES:-2048}" "${Q_STEPS:-1000}" --init "$v1/quantizer.safetensors" \
     --eval-pages "${Q_TEST_PAGES:-256}"
+  exit 0
+fi
+
+# SHIP=joint2: the joint stage goes on (v3 as shipped, its heads too) at a lower learning rate, then is banked with
+# v3's quantizer as the start; what a second short session can ship (the fp32 joint curve was still falling, and
+# jumping, at step 500)
+if [ "${SHIP:-}" = joint2 ]; then
+  bank "$RUNS/v4r-joint" "$RUNS/joint-bank/nano" "${Q_PAGES:-2048}" "${Q_STEPS:-1000}" --init "$v1/quantizer.safetensors" \
+    --eval-pages "${Q_TEST_PAGES:-256}"
+  $PY train.py base --stage joint --init "$RUNS/v4r-joint" --heads-from "$RUNS/v4r-joint" --pages level0 --more-text \
+    --out "$RUNS/v4r-joint2" --steps "${J_STEPS:-450}" --decay-from 200 --batch 8 $bf16 --threads 2 --eval-every 150 \
+    --val-pages 8 --max-tokens 1024 --save-every 25 "${targets[@]}" --lr 3e-4 --warmup 30 --token-dropout 0.1 --seed 38
+  bank "$RUNS/v4r-joint2" "$RUNS/joint2-bank/nano" "${Q_PAGES:-2048}" "${Q_STEPS:-1000}" \
+    --init "$RUNS/joint-bank/nano/quantizer.safetensors" --eval-pages "${Q_TEST_PAGES:-256}"
   exit 0
 fi
 
