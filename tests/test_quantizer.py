@@ -90,7 +90,7 @@ def test_code_usage_counts_entropy_levels_and_dead_positions():
 def quantizer_args(tmp_path, steps: int, *extra: str) -> list[str]:
     return ["quantizer", "--base", str(NANO), "--width", "32", "--depth", "1", "--heads", "2", "--steps", str(steps),
             "--batch", "2", "--lr", "3e-3", "--warmup", "1", "--cache-pages", "4", "--cache-dir", str(tmp_path / "cache"),
-            "--val-pages", "2", "--eval-every", "2", "--save-every", "2", "--eval-pages", "0",
+            "--val-pages", "2", "--eval-every", "2", "--save-every", "2", "--eval-pages", "0", "--max-tokens", "16",
             "--manifest", str(tmp_path / "manifest.json"), "--threads", "2", *extra]
 
 

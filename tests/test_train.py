@@ -181,7 +181,8 @@ def test_staged_base_training_trains_only_its_part_and_resumes(tmp_path, capsys)
         return any(not torch.equal(before[k], after[k]) for k in before)
 
     enc_run, dec_run = tmp_path / "enc", tmp_path / "dec"
-    common = ["--batch", "2", "--val-pages", "2", "--eval-every", "1000", "--threads", "2", "--save-every", "1"]
+    common = ["--batch", "2", "--val-pages", "2", "--eval-every", "1000", "--threads", "2", "--save-every", "1",
+              "--max-tokens", "16"]
     nano_enc, nano_dec = params(load_model(NANO))
     train.main(["base", "--stage", "encoder", "--init", str(NANO), "--out", str(enc_run), "--steps", "2",
                 "--order-weight", "1", *common])
@@ -289,7 +290,8 @@ def test_bottleneck_stages_fold_into_the_projector_and_start_a_quantizer(tmp_pat
     into the projector (original layout, rank = code dims per token), and that FSQ gives the exported
     base the same codes as the run's features, so a quantizer can start from it (--init PATH)."""
     enc, run, exported = tmp_path / "enc", tmp_path / "bn", tmp_path / "nano"
-    common = ["--steps", "2", "--batch", "2", "--val-pages", "2", "--eval-every", "2", "--threads", "2", "--bottleneck"]
+    common = ["--steps", "2", "--batch", "2", "--val-pages", "2", "--eval-every", "2", "--threads", "2", "--bottleneck",
+              "--max-tokens", "16"]
     train.main(["base", "--stage", "encoder", "--init", str(NANO), "--out", str(enc), "--order-weight", "1",
                 "--head-hidden", "8", *common])
     assert "val_slot_acc" in json.loads((enc / "train_meta.json").read_text())["curve"][-1]
@@ -501,7 +503,7 @@ def test_a_decoder_stage_with_the_pointer_loss_teaches_its_heads_where_to_look(t
     train.main(["base", "--stage", "decoder", "--init", str(nano_v1), "--out", str(run), "--steps", "8", "--batch", "4",
                 "--cache-pages", "4", "--val-pages", "2", "--eval-every", "4", "--threads", "2", "--save-every", "4",
                 "--lr", "3e-3", "--warmup", "1", "--pointer-weight", "1", "--pointer-heads", "1:0,2:0",
-                "--line-pointer-heads", "2:1"])
+                "--line-pointer-heads", "2:1", "--max-tokens", "16"])
     curve = [row for row in json.loads((run / "train_meta.json").read_text())["curve"] if "pointer_loss" in row]
     assert [row["step"] for row in curve] == [4, 8] and 0 <= curve[1]["val_line_pointer_acc"] <= 1
     assert curve[1]["pointer_loss"] < 0.7 * curve[0]["pointer_loss"]  # the same 4 pages every step
