@@ -41,7 +41,7 @@ def test_self_targets_are_the_uncompressed_reading_and_a_few_steps_lower_the_los
     out, manifest = tmp_path / "quantizer.safetensors", tmp_path / "manifest.json"
     train.main(["quantizer", "--targets", "self", "--base", str(NANO), "--data", str(scans), "--steps", "8",
                 "--batch", "4", "--lr", "3e-3", "--warmup", "1", "--val-pages", "0", "--eval-pages", "0",
-                "--out", str(out), "--manifest", str(manifest), "--threads", "2", "--target-max-tokens", "200"])
+                "--out", str(out), "--manifest", str(manifest), "--threads", "2", "--target-max-tokens", "96"])
     record = json.loads(manifest.read_text())["artifacts"][f"{tmp_path.name}/quantizer"]
     assert record["data"]["pages"] == 4 and record["data"]["files"] == 3
     assert "own greedy uncompressed reading" in record["data"]["targets"]
@@ -55,7 +55,7 @@ def test_self_targets_are_the_uncompressed_reading_and_a_few_steps_lower_the_los
     feats, names = self_reading.encode_directory(model, scans, "base", cache)
     assert len(targets) == 4 and all(targets)
     first = model.encoder.encode_images([self_reading.directory_pages(scans, "base")[0][1]()], "base")
-    assert read_pages(model, [model.decoder.layout_image(first[0])], 200) == [targets[0]]
+    assert read_pages(model, [model.decoder.layout_image(first[0])], 96) == [targets[0]]
     load_quantizer(out, model)  # made for this base
 
 
