@@ -2,7 +2,8 @@
 # Nano v4 for ordinary pages, rebuilt from the shipped nano v1 (weights/nano) on any machine, in stages:
 #
 #   joint    v1 grown (nano.grown_nano: more SAM blocks, a fourth decoder layer, the Latin-1 tokenizer), trained on
-#            the text and the dense per-token and per-patch losses at curriculum level 0 (40-56 px ordinary pages)
+#            the text and the dense per-token and per-patch losses at curriculum level 0 (40-56 px ordinary pages);
+#            then continued at a lower learning rate (nano v3.1)
 #   encoder  its SAM and CLIP made twice as wide (nano.widened_nano, same function), the towers alone on the dense
 #            losses with the targets that read best (by line, by what a token's convs see, slots by line, two-line
 #            tokens weighted)
@@ -69,21 +70,21 @@ if [ "${SHIP:-}" = joint ]; then
   exit 0
 fi
 
-# SHIP=joint2: the joint stage goes on (v3 as shipped, its heads too) at a lower learning rate, then is banked with
-# v3's quantizer as the start; what a second short session can ship (the fp32 joint curve was still falling, and
-# jumping, at step 500)
+# the joint stage goes on (v3 as shipped, its heads too) at a lower learning rate: the fp32 curve was still falling,
+# and jumping, at step 500. SHIP=joint2 banks it with v3's quantizer as the start (nano v3.1, what a second short
+# session could ship)
+$PY train.py base --stage joint --init "$RUNS/v4r-joint" --heads-from "$RUNS/v4r-joint" --pages level0 --more-text \
+  --out "$RUNS/v4r-joint2" --steps "${J_STEPS:-450}" --decay-from 200 --batch 8 $bf16 --threads 2 --eval-every 150 \
+  --val-pages 8 --max-tokens 1024 --save-every 25 "${targets[@]}" --lr 3e-4 --warmup 30 --token-dropout 0.1 --seed 38
 if [ "${SHIP:-}" = joint2 ]; then
   bank "$RUNS/v4r-joint" "$RUNS/joint-bank/nano" "${Q_PAGES:-2048}" "${Q_STEPS:-1000}" --init "$v1/quantizer.safetensors" \
     --eval-pages "${Q_TEST_PAGES:-256}"
-  $PY train.py base --stage joint --init "$RUNS/v4r-joint" --heads-from "$RUNS/v4r-joint" --pages level0 --more-text \
-    --out "$RUNS/v4r-joint2" --steps "${J_STEPS:-450}" --decay-from 200 --batch 8 $bf16 --threads 2 --eval-every 150 \
-    --val-pages 8 --max-tokens 1024 --save-every 25 "${targets[@]}" --lr 3e-4 --warmup 30 --token-dropout 0.1 --seed 38
   bank "$RUNS/v4r-joint2" "$RUNS/joint2-bank/nano" "${Q_PAGES:-2048}" "${Q_STEPS:-1000}" \
     --init "$RUNS/joint-bank/nano/quantizer.safetensors" --eval-pages "${Q_TEST_PAGES:-256}"
   exit 0
 fi
 
-$PY train.py base --stage encoder --widen-from "$RUNS/v4r-joint" --widen sam,clip --pages level0 --out "$RUNS/v4r-enc" \
+$PY train.py base --stage encoder --widen-from "$RUNS/v4r-joint2" --widen sam,clip --pages level0 --out "$RUNS/v4r-enc" \
   --steps 700 --decay-from 450 --batch 8 $bf16 --threads 2 --eval-every 100 --val-pages 8 \
   --save-every 25 "${targets[@]}" --lr 7e-4 --warmup 30 --seed 32
 
