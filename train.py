@@ -629,9 +629,10 @@ def ship(args) -> None:
             path.unlink()
     curves = [stage["curve_file"] for stage in base.get("stages", []) if "curve_file" in stage] + \
              ([quantizer["curve_file"]] if "curve_file" in quantizer else [])
-    for curve in curves:
-        (manifest.parent / curve).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(bank.parent / curve, manifest.parent / curve)
+    for curve in curves:  # named by their content (manifest.curve_file): one already there is kept, as it was written
+        if not (manifest.parent / curve).exists():
+            (manifest.parent / curve).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(bank.parent / curve, manifest.parent / curve)
     for kind, record in (("base", base), ("quantizer", quantizer)):
         update_manifest(f"nano/{kind}", {**record, "shipped_as": recorded_path(to)}, manifest)
     print(f"shipped {src} as {to}: base {base['weights_sha256'][:12]}, quantizer {quantizer['weights_sha256'][:12]}")

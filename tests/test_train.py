@@ -140,6 +140,10 @@ def test_ship_makes_a_banked_default_the_embedded_one_with_its_records(tmp_path)
         shutil.copyfile(ROOT / curve, bank.parent / curve)
     to, manifest = tmp_path / "weights" / "nano", tmp_path / "training_manifest.json"
     to.mkdir(parents=True)
+    shared = tmp_path / curves[0]  # a curve an earlier record wrote under its own name (a stage the two share)
+    shared.parent.mkdir()
+    shared.write_text(json.dumps({"name": "an earlier base's stage", "curve": json.loads((ROOT / curves[0]).read_text())["curve"]}))
+    kept = shared.read_bytes()
     (to / "model-00002-of-000002.safetensors").write_bytes(b"an older default's shard")
     older = {"kind": "base model trained from scratch", "weights_sha256": "0" * 64}
     manifest.write_text(json.dumps({"artifacts": {"nano/base": older}}))
@@ -164,7 +168,8 @@ def test_ship_makes_a_banked_default_the_embedded_one_with_its_records(tmp_path)
     assert after["artifacts"]["nano/base"]["weights_sha256"] == shipped["nano/base"]["weights_sha256"]
     assert after["artifacts"]["nano/quantizer"]["shipped_as"] == str(to)
     assert after["earlier"]["0" * 64]["artifact"] == "nano/base"
-    assert all((tmp_path / curve).read_bytes() == (ROOT / curve).read_bytes() for curve in curves)
+    assert all((tmp_path / curve).read_bytes() == (ROOT / curve).read_bytes() for curve in curves[1:])
+    assert shared.read_bytes() == kept
     fsq, _ = load_quantizer(to / "quantizer.safetensors", load_model(to))  # the shipped pair loads as a pair
     assert fsq.geometry() == records["nano/quantizer"]["geometry"]
 
