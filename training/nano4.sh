@@ -64,21 +64,19 @@ $PY train.py base --stage joint --grow-from "$v1" --pages level0 --more-text --o
 # the joint stage is most of the reading (validation CER 0.266 at its end, 0.165-0.23 after the widened towers and
 # their decoder): a session too short for the rest ships it, its quantizer started from v1's (the same geometry; the
 # grown model began as v1, so v1's codes are a start, not noise)
-if [ "${SHIP:-}" = joint ]; then
+if [ "${SHIP:-}" = joint ] || [ "${SHIP:-}" = joint2 ]; then
   bank "$RUNS/v4r-joint" "$RUNS/joint-bank/nano" "${Q_PAGES:-2048}" "${Q_STEPS:-1000}" --init "$v1/quantizer.safetensors" \
     --eval-pages "${Q_TEST_PAGES:-256}"
-  exit 0
+  [ "$SHIP" = joint2 ] || exit 0
 fi
 
 # the joint stage goes on (v3 as shipped, its heads too) at a lower learning rate: the fp32 curve was still falling,
-# and jumping, at step 500. SHIP=joint2 banks it with v3's quantizer as the start (nano v3.1, what a second short
-# session could ship)
+# and jumping, at step 500. SHIP=joint2 banks it with v3's quantizer (the bank above) as the start (nano v3.1, what a
+# second short session could ship)
 $PY train.py base --stage joint --init "$RUNS/v4r-joint" --heads-from "$RUNS/v4r-joint" --pages level0 --more-text \
   --out "$RUNS/v4r-joint2" --steps "${J_STEPS:-450}" --decay-from 200 --batch 8 $bf16 --threads 2 --eval-every 150 \
   --val-pages 8 --max-tokens 1024 --save-every 25 "${targets[@]}" --lr 3e-4 --warmup 30 --token-dropout 0.1 --seed 38
 if [ "${SHIP:-}" = joint2 ]; then
-  bank "$RUNS/v4r-joint" "$RUNS/joint-bank/nano" "${Q_PAGES:-2048}" "${Q_STEPS:-1000}" --init "$v1/quantizer.safetensors" \
-    --eval-pages "${Q_TEST_PAGES:-256}"
   bank "$RUNS/v4r-joint2" "$RUNS/joint2-bank/nano" "${Q_PAGES:-2048}" "${Q_STEPS:-1000}" \
     --init "$RUNS/joint-bank/nano/quantizer.safetensors" --eval-pages "${Q_TEST_PAGES:-256}"
   exit 0
