@@ -39,7 +39,7 @@ from ocr_latent.training.nano import DEFAULT_FILES, grown_nano, model_charset, n
 from ocr_latent.training.recipe import code_fsq, cosine_to_tenth
 from ocr_latent.training.pages import (CURRICULUM_LEVELS, FIELD_SHIFT, ORDINARY, PAGE_KINDS, PageSpec, PageStream, char_targets,
                                       level_pages, load_corpus, on_lines, split_documents, test_pages, toward_ordinary,
-                                      train_only_documents, training_documents)
+                                      training_documents)
 
 # ----------------------------------------------------------------------------- base training
 @torch.no_grad()
@@ -577,15 +577,14 @@ def export_base(args) -> None:
     val = evaluate(model, list(test_pages(args.test_pages, seed=2, spec=test_spec)),
                    model.config["ocr_latent"]["mode"], max_tokens=max_tokens)
     stages, starts = run_history(run)
-    if any(s["hyperparameters"].get("more_text") for s in stages):  # a stage read the train-only documents too
-        docs["train-only"] = train_only_documents()
     manifest_path = Path(args.manifest)
     previous = json.loads(manifest_path.read_text())["artifacts"].get(f"{to.name}/base") if manifest_path.exists() else None
     record = {"kind": "base model trained from scratch", "dir": recorded_path(to),
               "config": model.config, "steps": sum(s["steps"] for s in stages), "wall_s": sum(s["wall_s"] for s in stages),
               "stages": stages, "seed": meta.get("seed"),
               "data": data_record(docs, meta.get("seed", 0), PAGE_KINDS[kind], {"train": "stream, batch x steps",
-                                                                                 "test": args.test_pages}),
+                                                                                 "test": args.test_pages},
+                                  more_text=any(s["hyperparameters"].get("more_text") for s in stages)),
               "test_metrics_uncompressed": {"cer": round(val["cer"], 4), "wer": round(val["wer"], 4), "pages": val["pages"]},
               "weights_sha256": file_sha256(to / "model-00001-of-000001.safetensors")}
     for i, stage in enumerate(stages):

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from ocr_latent.architecture import ROOT
-from ocr_latent.training.pages import PageMix, PageSpec, sources_manifest
+from ocr_latent.training.pages import PageMix, PageSpec, sources_manifest, train_only_documents
 
 
 def code_commit() -> str:
@@ -59,6 +59,9 @@ def spec_record(spec: PageSpec | PageMix) -> dict:
     return vars(spec) | {"fonts": list(spec.fonts), "shapes": [list(s) for s in spec.shapes]}
 
 
-def data_record(docs: dict, seed: int, spec: PageSpec | PageMix, pages: dict) -> dict:
+def data_record(docs: dict, seed: int, spec: PageSpec | PageMix, pages: dict, more_text: bool = False) -> dict:
+    """The record of rendered training data: `docs` by split, and the train-only documents when training pages
+    drew their text from them too (--more-text)."""
+    sources = docs | ({"train-only": train_only_documents()} if more_text else {})
     return {"generator": "pages.py (rendered with Pillow, DejaVu fonts)", "seed": seed, "page_spec": spec_record(spec),
-            "split_by": "document", "pages": pages, "sources": sources_manifest(docs)}
+            "split_by": "document", "pages": pages, "sources": sources_manifest(sources)}

@@ -31,8 +31,7 @@ from ocr_latent.training.evaluation import evaluate, read_pages
 from ocr_latent.training.losses import teacher_forced_logits
 from ocr_latent.training.manifest import code_commit, curve_file, data_record, update_manifest
 from ocr_latent.training.reading_metrics import cer
-from ocr_latent.training.pages import (PAGE_KINDS, PageMix, PageSpec, PageStream, load_corpus, split_documents, test_pages,
-                                      train_only_documents)
+from ocr_latent.training.pages import PAGE_KINDS, PageMix, PageSpec, PageStream, load_corpus, split_documents, test_pages
 from ocr_latent.serving.pipeline import base_fingerprint
 from ocr_latent.quantizer import CrossTokenFSQ, FSQ, ScalarCodes, code_usage
 from ocr_latent.training.recipe import code_fsq, code_geometry, cosine_to_tenth
@@ -83,12 +82,11 @@ class TrainingData:
             if own:  # the base's own reading of the same pages replaces their transcripts
                 self.texts = self_reading.cached_reading(model, self.features, self.cache_dir / "own-reading.json",
                                                          args.target_max_tokens)
-            sources = docs | ({"train-only": train_only_documents()} if args.more_text else {})
-            self.record = data_record(sources, args.cache_seed, PAGE_KINDS[args.pages], {
+            self.record = data_record(docs, args.cache_seed, PAGE_KINDS[args.pages], {
                 "train": f"{len(self.texts)} rendered pages of kind {args.pages} encoded once (features.py, stream seed "
                          f"{args.cache_seed}{', text from the train-only documents too' if args.more_text else ''})",
                 "targets": "the frozen base's own greedy uncompressed reading" if own else "the pages' text",
-                "draws": args.steps * args.batch, "val": args.val_pages, "test": args.eval_pages})
+                "draws": args.steps * args.batch, "val": args.val_pages, "test": args.eval_pages}, args.more_text)
         elif own:
             root = Path(args.data)
             self.features, names = self_reading.encode_directory(model, root, mode, Path(args.run) / "pages")
