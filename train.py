@@ -18,7 +18,7 @@ import copy
 import json
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +31,7 @@ from tqdm import tqdm
 from ocr_latent.training import features, quantizer_trainer, self_reading
 from ocr_latent.architecture import DTYPE_NAMES
 from ocr_latent.checkpoint import OCRModel, file_sha256, load_model
-from ocr_latent.training.evaluation import evaluate, pixels_of, slot_accuracy
+from ocr_latent.training.evaluation import evaluate, pixels_of, render_batch, renderers, slot_accuracy
 from ocr_latent.training.losses import (AttentionTap, Pointer, char_cells, lines_held, order_targets, pointer_accuracy,
                                        teacher_forced_logits, teacher_forced_loss)
 from ocr_latent.training.manifest import ROOT, curve_file, data_record, update_manifest
@@ -138,8 +138,10 @@ class BaseTraining:
         self.docs = split_documents(load_corpus())
         self.train_docs = training_documents(args.more_text)
         self.kind = PAGE_KINDS[args.pages]
+        self.device = training_device(args.device)
         self.model, state, self.meta = self.load_or_start()
         model, stage = self.model, self.stage
+        model.encoder.to(self.device), model.decoder.to(self.device)
         self.charset = model_charset(model)
         self.train_encoder, self.train_decoder = stage in ("joint", "encoder"), stage in ("joint", "decoder")
         model.encoder.train(self.train_encoder), model.decoder.train(self.train_decoder)
@@ -151,7 +153,13 @@ class BaseTraining:
         self.aux_head, self.order_head = head(len(self.charset)), head(args.order_slots * (len(self.charset) + 1))
         # a new run's heads may start from those another run trained (a decoder stage's run has untrained ones)
         heads_from = args.heads_from or args.widen_from
-        heads = load_file(str(Path(heads_from) / "train_state.safetensors")) if heads_from and not state else {}
+        saved_heads = Path(heads_from) / "train_state.safetensors" if heads_from and not state else None
+        if saved_heads and not saved_heads.exists():
+            if args.heads_from:
+                raise SystemExit(f"--heads-from {args.heads_from}: it holds no train_state.safetensors (a training run's "
+                                 f"directory does; an exported model has no heads)")
+            saved_heads = None  # widened from an exported model (weights/nano): the heads start afresh
+        heads = load_file(str(saved_heads)) if saved_heads else {}
         for name, module in (("aux", self.aux_head), ("order", self.order_head)):
             if own := prefixed(state, name) or prefixed(heads, name):
                 module.load_state_dict(own)
@@ -172,6 +180,9 @@ class BaseTraining:
             if own and own["weight"].shape == self.patch_head.weight.shape:
                 self.patch_head.load_state_dict(own)
             model.encoder.sam_model.neck.register_forward_hook(lambda module, inputs, out: setattr(self, "neck", out))
+        for module in (self.aux_head, self.order_head, self.patch_head):
+            if module is not None:
+                module.to(self.device)
         self.mode, self.grid = model.config["ocr_latent"]["mode"], model.encoder.cfg.sam_image_size // 64
         self.shift = FIELD_SHIFT if args.field_targets else 0.0  # which token a glyph is the target of
         self.token_view = on_lines if args.line_targets else (lambda page: page)  # by its line's middle, or its own
@@ -185,23 +196,23 @@ class BaseTraining:
         for i, p in enumerate(self.params):  # parameters that never got a gradient (CLIP's unused patch conv) have none
             # a head of another shape than the saved one (the earlier presence loss) starts afresh
             if f"opt.{i}.step" in state and state[f"opt.{i}.exp_avg"].shape == p.shape:
-                self.opt.state[p] = {k: state[f"opt.{i}.{k}"] for k in ("step", "exp_avg", "exp_avg_sq")}
+                self.opt.state[p] = {k: state[f"opt.{i}.{k}"].to(p.device) for k in ("step", "exp_avg", "exp_avg_sq")}
         val_kind = PageSpec(augment=False) if args.pages == "small" else self.kind  # the first runs' validation pages
         self.val_pages = list(PageStream(self.docs["val"], val_kind, seed=1, length=args.val_pages))
         if stage == "decoder":
             self.cached, self.cached_texts = features.load(model, args.cache_pages, cache_stream_seed(args.seed),
-                                                           self.out / "features", kind=args.pages, more_text=args.more_text)
+                                                           self.out / "features", kind=args.pages, more_text=args.more_text,
+                                                           workers=args.workers)
             if self.pointer_heads:  # where each cached page's characters lie, as the towers were taught (the shift and view)
                 placement = (f"grid {self.grid}, shift {self.shift}, on lines {args.line_targets}, charset {self.charset}, "
                              f"pointers {sorted(self.pointer_heads)}")
                 self.cached_cells = features.cells(self.cached_texts, cache_stream_seed(args.seed), self.out / "features",
                                                    args.pages, args.more_text, self.page_cells, placement)
             if self.bottleneck_needs_pca:
-                self.bottleneck.init_from_pca(self.cached[:256].float())
+                self.bottleneck.init_from_pca(self.cached[:256].to(self.device).float())
                 self.bottleneck_needs_pca = False
-        # rendering and resizing (PIL, mostly outside the GIL) of the next batch overlap this step's compute
-        self.loader = ThreadPoolExecutor(1)
-        self.prefetch = {}
+        # the next batches are rendered while this step computes (evaluation.renderers)
+        self.loader, self.prefetch = renderers(args.workers, self.train_docs), {}
         self.gated = stage == "joint" and args.pages == "nano2" and bool(args.advance_at)
         self._level_pages = {}
 
@@ -244,7 +255,7 @@ class BaseTraining:
         saved = prefixed(state, "bottleneck") or (saved_bottleneck(self.args.init) if self.args.init else {})
         if saved:
             bottleneck.load_state_dict(saved)
-        return bottleneck, not saved
+        return bottleneck.to(self.device), not saved
 
     def trainable(self) -> list[torch.nn.Parameter]:
         model, bottleneck = self.model, self.bottleneck
@@ -262,7 +273,8 @@ class BaseTraining:
             p.requires_grad_(True)
         return params
 
-    def page_batch(self, step: int):
+    def page_batch(self, step: int) -> Future:
+        """Step `step`'s pages and pixels, as they are being rendered."""
         args = self.args
         if self.stage == "joint" and args.pages == "small":  # v1's first runs: few lines first
             kind = curriculum(step, args.curriculum)
@@ -270,10 +282,9 @@ class BaseTraining:
             kind = toward_ordinary(self.level(step))
         else:
             kind = self.kind
-        stream = PageStream(self.train_docs, kind,
-                            seed=args.seed)
-        pages = [stream[step * args.batch + i] for i in range(args.batch)]
-        return pages, pixels_of(pages, self.mode)
+        indices = list(range(step * args.batch, (step + 1) * args.batch))
+        # a worker process has the documents already; the thread shares them
+        return self.loader.submit(render_batch, kind, args.seed, indices, self.mode, None if args.workers else self.train_docs)
 
     def level(self, step: int) -> int:
         """The curriculum level this step trains on: reached by reading the level below (--advance-at),
@@ -296,7 +307,7 @@ class BaseTraining:
         else:
             idx = features.epoch_batch(len(self.cached_texts), args.batch, step, args.seed)
         cells = [self.cached_cells[i] for i in idx] if self.pointer_heads else None
-        return self.cached[idx].float(), [self.cached_texts[i] for i in idx], cells
+        return self.cached[idx].to(self.device).float(), [self.cached_texts[i] for i in idx], cells
 
     def page_cells(self, page) -> dict[str, list[int]]:
         """char_cells of a page for each kind of guided head, the characters placed as the towers' dense losses
@@ -319,16 +330,18 @@ class BaseTraining:
     def step(self, step: int) -> dict:
         """One optimiser step; returns the logged losses."""
         args, model, bottleneck = self.args, self.model, self.bottleneck
-        row, loss = {"step": step + 1}, torch.zeros(())
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+        row, loss, device = {"step": step + 1}, torch.zeros((), device=self.device), self.device
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
             if self.stage == "decoder":
                 feats, texts, cells = self.cached_batch(step)
                 if bottleneck:  # the decoder learns to read the projection, rounded to the codes' levels or not
                     feats = through_bottleneck(bottleneck, feats, args.bottleneck_rounded)
             else:
-                pages, pixels = (self.prefetch.pop(step) if step in self.prefetch else self.loader.submit(self.page_batch, step)).result()
-                self.prefetch[step + 1] = self.loader.submit(self.page_batch, step + 1)
-                feats, texts = model.encoder(pixels), [p.text for p in pages]
+                pages, pixels = (self.prefetch.pop(step, None) or self.page_batch(step)).result()
+                for ahead in range(step + 1, min(step + 1 + max(1, args.workers), args.steps)):  # a batch per worker
+                    if ahead not in self.prefetch:
+                        self.prefetch[ahead] = self.page_batch(ahead)
+                feats, texts = model.encoder(pixels.to(device, non_blocking=True)), [p.text for p in pages]
                 cells = [self.page_cells(p) for p in pages] if self.pointer_heads else None
                 if bottleneck:  # the heads read the projection, rounded to the codes' levels or not
                     if self.bottleneck_needs_pca:
@@ -343,25 +356,25 @@ class BaseTraining:
                     loss, row["pointer_loss"] = loss + args.pointer_weight * pointer, round(pointer.item(), 4)
             if self.train_encoder:
                 token_pages = [self.token_view(p) for p in pages]
-                aux_target = torch.from_numpy(np.stack([char_targets(p, self.grid, self.charset, self.shift) for p in token_pages]))
+                aux_target = torch.from_numpy(np.stack([char_targets(p, self.grid, self.charset, self.shift) for p in token_pages])).to(device)
                 aux = F.binary_cross_entropy_with_logits(self.aux_head(feats).float(), aux_target)
                 loss, row["aux_loss"] = loss + args.aux_weight * aux, round(aux.item(), 4)
             if self.use_order:
                 order_target = torch.from_numpy(np.stack([order_targets(p, self.grid, args.order_slots, self.charset, self.shift,
-                                                                        args.slot_lines) for p in token_pages]))
+                                                                        args.slot_lines) for p in token_pages])).to(device)
                 order_loss = F.cross_entropy(self.order_head(feats).float().reshape(-1, len(self.charset) + 1),
                                              order_target.flatten(), reduction="none").reshape(order_target.shape)
-                weight = torch.ones(order_target.shape[:2])
+                weight = torch.ones(order_target.shape[:2], device=device)
                 if args.two_line_weight != 1:  # tokens holding two or more text lines weigh more
                     held = np.stack([lines_held(p, self.grid, self.charset, self.shift) for p in token_pages])
-                    weight = torch.from_numpy(np.where(held >= 2, args.two_line_weight, 1.0)).float()
+                    weight = torch.from_numpy(np.where(held >= 2, args.two_line_weight, 1.0)).float().to(device)
                 weight = weight[..., None].expand_as(order_loss)
                 order_loss = (order_loss * weight).sum() / weight.sum()
                 loss, row["order_loss"] = loss + args.order_weight * order_loss, round(order_loss.item(), 4)
             if self.use_patch:
                 neck = self.neck.flatten(2).transpose(1, 2)  # this step's [B, patches, C]
                 patch_target = torch.from_numpy(np.stack([order_targets(p, 4 * self.grid, args.patch_slots, self.charset)
-                                                          for p in pages]))
+                                                          for p in pages])).to(device)
                 patch = F.cross_entropy(self.patch_head(neck).float().reshape(-1, len(self.charset) + 1),
                                         patch_target.flatten())
                 loss, row["patch_loss"] = loss + args.patch_weight * patch, round(patch.item(), 4)
@@ -433,7 +446,7 @@ class BaseTraining:
         pred = self.patch_head(neck.flatten(2).transpose(1, 2))
         pred = pred.reshape(len(pages), -1, self.args.patch_slots, len(self.charset) + 1).argmax(-1)
         target = torch.from_numpy(np.stack([order_targets(p, 4 * self.grid, self.args.patch_slots, self.charset)
-                                            for p in pages]))
+                                            for p in pages])).to(pred.device)
         occupied = target != len(self.charset)
         right, total = int((pred == target)[occupied].sum()), int(occupied.sum())
         return right / max(1, total)
@@ -501,6 +514,18 @@ class BaseTraining:
                 self.save()
         bar.close()
         self.loader.shutdown(cancel_futures=True)
+
+
+def training_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise SystemExit(f"--device {name}: give cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name}: this torch sees no CUDA GPU; train with --device cpu, or install a CUDA build of torch")
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"--device {name}: base training runs on cpu or cuda")
+    return device
 
 
 def pointer_heads(spec: str, cfg, option: str = "--pointer-heads") -> list[tuple[int, int]]:
@@ -708,8 +733,11 @@ def main(argv=None, prog: str | None = None) -> None:
     b.add_argument("--max-tokens", type=int, default=256, help="longest validation reading")
     b.add_argument("--keep-best", action="store_true", help="keep the model of the lowest validation CER so far as "
                    "OUT/best (servable; `export --run OUT/best`)")
-    b.add_argument("--bf16", action="store_true", help="bf16 autocast (CPUs with avx512_bf16/AMX)")
+    b.add_argument("--bf16", action="store_true", help="bf16 autocast (GPUs; CPUs with avx512_bf16/AMX)")
     b.add_argument("--threads", type=int, default=1)
+    b.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    b.add_argument("--workers", type=int, default=0, help="processes rendering the training pages ahead of the steps "
+                   "(0: one thread; a GPU's steps need several); the decoder stage's cache is rendered by them too")
     e = sub.add_parser("export", help="copy a training run's model to a servable directory")
     e.add_argument("--run", default="runs/nano")
     e.add_argument("--to", default="weights/nano")

@@ -263,3 +263,9 @@ def test_closer_lines_put_more_lines_in_a_shared_token_row_at_the_same_glyph_siz
         sizes.append(sorted(stream[i].font_size for i in range(24)))
     assert shares[1] > 1.6 * shares[0] and shares[1] > 0.25, shares
     assert all(40 <= s <= 56 for s in sizes[1][:3] + sizes[1][-3:]), sizes
+
+
+def test_a_machine_without_the_fonts_is_told_how_to_get_them(tmp_path):
+    with pytest.raises(FileNotFoundError, match="install Debian's fonts-dejavu, or set OCR_LATENT_FONT_DIR"):
+        pages.render_page(0, "a page of text " * 20, dataclasses.replace(pages.SMALL, font_dir=str(tmp_path),
+                                                                         fonts=("DejaVuSans-Missing.ttf",)))

@@ -339,6 +339,42 @@ def test_a_feature_cache_of_more_text_is_drawn_from_the_train_only_documents_and
     assert features.load(model, 6, 3, out, more_text=True)[1] == more
 
 
+@pytest.mark.slow  # trains, with pages rendered in worker processes
+def test_pages_rendered_in_worker_processes_train_and_cache_what_one_thread_renders(tmp_path):
+    """--workers N (for a GPU, whose steps outrun one CPU's rendering): the training pages and a feature cache's
+    pages are rendered in N processes, ahead of their use; the runs and the cache are the ones the one rendering
+    thread gives, bit for bit, nothing lost or reordered."""
+    from ocr_latent.training import features
+    common = ["base", "--stage", "encoder", "--init", str(NANO), "--steps", "3", "--batch", "2", "--val-pages", "1",
+              "--eval-every", "1000", "--save-every", "1000", "--threads", "2", "--order-weight", "1"]
+    for workers in (0, 2):
+        train.main([*common, "--out", str(tmp_path / f"run{workers}"), "--workers", str(workers)])
+    runs = [load_file(str(tmp_path / f"run{w}" / name)) for w in (0, 2)
+            for name in ("train_state.safetensors", "model-00001-of-000001.safetensors")]
+    assert all(torch.equal(runs[0][k], runs[2][k]) for k in runs[0]) and all(torch.equal(runs[1][k], runs[3][k]) for k in runs[1])
+    assert not all(torch.equal(runs[1][k], v) for k, v in load_file(str(NANO / "model-00001-of-000001.safetensors")).items())
+
+    model = load_model(NANO)
+    for workers in (0, 2):
+        features.build(model, 5, 3, tmp_path / f"cache{workers}", batch=2, workers=workers)
+    (one, one_texts), (two, two_texts) = (features.load(model, 5, 3, tmp_path / f"cache{w}") for w in (0, 2))
+    assert torch.equal(one, two) and one_texts == two_texts and len(set(one_texts)) == 5
+    pages = PageStream(split_documents(load_corpus())["train"], PageSpec(), seed=3)
+    assert one_texts == [pages[i].text for i in range(5)]
+
+
+def test_heads_asked_of_an_exported_model_are_refused_with_the_reason(tmp_path):
+    with pytest.raises(SystemExit, match="holds no train_state.safetensors .* an exported model has no heads"):
+        train.main(["base", "--stage", "encoder", "--init", str(NANO), "--heads-from", str(NANO), "--out", str(tmp_path / "run")])
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
+def test_training_on_a_gpu_this_torch_cannot_see_says_so():
+    with pytest.raises(SystemExit, match="sees no CUDA GPU; train with --device cpu"):
+        train.main(["base", "--device", "cuda", "--steps", "1", "--out", "unused"])
+
+
 def test_length_grouped_batches_draw_every_page_once_an_epoch_with_little_padding():
     import random
     lengths = [random.Random(i).randint(50, 1500) for i in range(1000)]

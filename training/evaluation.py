@@ -1,5 +1,11 @@
-"""Greedy reading of pages by a model, uncompressed or through a quantizer's codes, scored by CER/WER."""
+"""Pages as the towers take them (rendered ahead of training steps, in worker processes or not), and greedy
+reading of pages by a model, uncompressed or through a quantizer's codes, scored by CER/WER."""
 from __future__ import annotations
+
+import multiprocessing
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -8,11 +14,55 @@ from ocr_latent.checkpoint import OCRModel
 from ocr_latent.generation import Generator, RepetitionRule
 from ocr_latent.encoder import make_view, views_to_tensor
 from ocr_latent.training.losses import order_targets, reading_prompt
+from ocr_latent.training.pages import Document, Page, PageMix, PageSpec, PageStream
 from ocr_latent.training.reading_metrics import cer, wer
 
 
 def pixels_of(pages, mode: str) -> torch.Tensor:
     return views_to_tensor([make_view(p.image, mode) for p in pages])
+
+
+_documents: list[Document] = []  # a rendering worker's documents (use_documents), sent once, not with every batch
+
+
+def use_documents(documents: list[Document]) -> None:
+    global _documents
+    _documents = documents
+
+
+def render_batch(kind: PageSpec | PageMix, seed: int, indices: list[int], mode: str,
+                 documents: list[Document] | None = None) -> tuple[list[Page], torch.Tensor]:
+    """Pages `indices` of the stream `seed` of `kind` over `documents` (a worker's own, use_documents, when None),
+    and their pixels: a pure function of its arguments, so pages rendered in another process are the same pages."""
+    stream = PageStream(_documents if documents is None else documents, kind, seed=seed)
+    pages = [stream[i] for i in indices]
+    return pages, pixels_of(pages, mode)
+
+
+def rendered(kind: PageSpec | PageMix, seed: int, batches: list[list[int]], mode: str, documents: list[Document],
+             workers: int = 0) -> Iterator[tuple[list[Page], torch.Tensor]]:
+    """render_batch of each batch of page indices, in order, the next max(1, workers) batches rendered ahead
+    (no more: each holds [batch, 3, S, S] fp32 pixels)."""
+    ahead = max(1, workers)
+    with renderers(workers, documents) as pool:
+        submit = lambda indices: pool.submit(render_batch, kind, seed, indices, mode, None if workers else documents)
+        pending = deque(submit(b) for b in batches[:ahead])
+        for n in range(len(batches)):
+            batch = pending.popleft().result()
+            if n + ahead < len(batches):
+                pending.append(submit(batches[n + ahead]))
+            yield batch
+
+
+def renderers(workers: int, documents: list[Document]) -> Executor:
+    """Where batches of pages are rendered ahead of the step that trains on them: `workers` processes (a GPU's
+    steps outrun one CPU's rendering), or with 0 one thread beside the training loop (PIL renders mostly
+    outside the GIL; on a CPU the step itself wants the cores)."""
+    if not workers:
+        return ThreadPoolExecutor(1)
+    # spawned, not forked: a fork of a process whose torch has started its thread pools can hang
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=use_documents,
+                               initargs=(documents,))
 
 
 @torch.inference_mode()
@@ -64,6 +114,6 @@ def slot_accuracy(feats: torch.Tensor, order_head, pages, grid: int, slots: int,
     if bottleneck is not None:
         feats = bottleneck.decode(bottleneck.encode(feats))
     pred = order_head(feats).reshape(*feats.shape[:2], slots, -1).argmax(-1)
-    target = torch.from_numpy(np.stack([order_targets(p, grid, slots, charset, shift, lines) for p in pages]))
+    target = torch.from_numpy(np.stack([order_targets(p, grid, slots, charset, shift, lines) for p in pages])).to(pred.device)
     occupied = target != len(charset)
     return float((pred == target)[occupied].float().mean())

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from ocr_latent.checkpoint import OCRModel, load_model
+from ocr_latent.training.evaluation import rendered
 from ocr_latent.training.pages import PAGE_KINDS, PageStream, training_documents
 
 SHARD = 512
@@ -53,38 +54,48 @@ def shard_is_for(path: Path, key: dict[str, str]) -> bool:
 
 
 @torch.inference_mode()
-def build(model: OCRModel, pages: int, seed: int, out: Path, batch: int = 16, kind: str = "small", more_text: bool = False) -> None:
+def build(model: OCRModel, pages: int, seed: int, out: Path, batch: int = 16, kind: str = "small", more_text: bool = False,
+          workers: int = 0) -> None:
     """Encode pages [0, pages) of the train split's stream `seed` of page kind `kind` (pages.PAGE_KINDS),
     rounded up to whole shards; shards already there for this base and stream are kept. `more_text`: the
-    pages' text is drawn from the train-only documents too (pages.train_only_documents)."""
-    stream = PageStream(training_documents(more_text), PAGE_KINDS[kind], seed=seed)
+    pages' text is drawn from the train-only documents too (pages.train_only_documents). `workers`: processes
+    rendering the pages (evaluation.renderers), else one thread."""
+    documents = training_documents(more_text)
     mode = model.config.get("ocr_latent", {}).get("mode", "base")
+    weight = next(model.encoder.parameters())
     out.mkdir(parents=True, exist_ok=True)
     size = shard_size(pages)
     todo = [i for i in range(-(-pages // size)) if not shard_is_for(shard_path(out, i), shard_key(model, seed, i, size, kind, more_text))]
     if not todo:
         return
     bar = tqdm(total=len(todo) * size, desc="feature cache", dynamic_ncols=True)
-    for i in todo:
-        feats, texts = [], []
-        for j in range(i * size, (i + 1) * size, batch):
-            chunk = [stream[k] for k in range(j, min(j + batch, (i + 1) * size))]
-            feats.append(model.encoder.encode_images([p.image for p in chunk], mode).to(torch.bfloat16))
-            texts += [p.text for p in chunk]
-            bar.update(len(chunk))
-        path = shard_path(out, i)
-        path.with_suffix(".json").write_text(json.dumps(texts))  # texts first: a shard counts once its tensor is there
-        tmp = path.with_suffix(".tmp")
-        save_file({"features": torch.cat(feats)}, str(tmp), metadata=shard_key(model, seed, i, size, kind, more_text))
-        tmp.rename(path)
+    chunks = [(i, list(range(j, min(j + batch, (i + 1) * size)))) for i in todo for j in range(i * size, (i + 1) * size, batch)]
+    feats, texts = [], []
+    for n, (chunk, pixels) in enumerate(rendered(PAGE_KINDS[kind], seed, [c for _, c in chunks], mode, documents, workers)):
+        # what encode_images computes, from pixels rendered ahead
+        feats.append(model.encoder(pixels.to(weight.device, weight.dtype)).float().to("cpu", torch.bfloat16))
+        texts += [p.text for p in chunk]
+        bar.update(len(chunk))
+        if n + 1 == len(chunks) or chunks[n + 1][0] != chunks[n][0]:  # the shard's last batch
+            write_shard(model, out, chunks[n][0], size, seed, kind, more_text, feats, texts)
+            feats, texts = [], []
     bar.close()
 
 
+def write_shard(model: OCRModel, out: Path, i: int, size: int, seed: int, kind: str, more_text: bool,
+                feats: list[torch.Tensor], texts: list[str]) -> None:
+    path = shard_path(out, i)
+    path.with_suffix(".json").write_text(json.dumps(texts))  # texts first: a shard counts once its tensor is there
+    tmp = path.with_suffix(".tmp")
+    save_file({"features": torch.cat(feats)}, str(tmp), metadata=shard_key(model, seed, i, size, kind, more_text))
+    tmp.rename(path)
+
+
 def load(model: OCRModel, pages: int, seed: int, out: Path, kind: str = "small",
-         more_text: bool = False) -> tuple[torch.Tensor, list[str]]:
-    """Features [pages, T, D] (bf16) of the first `pages` pages of stream `seed`, with their texts;
+         more_text: bool = False, workers: int = 0) -> tuple[torch.Tensor, list[str]]:
+    """Features [pages, T, D] (bf16, on the CPU) of the first `pages` pages of stream `seed`, with their texts;
     the shards that are missing, or were made for other towers or pages, are encoded first."""
-    build(model, pages, seed, out, kind=kind, more_text=more_text)
+    build(model, pages, seed, out, kind=kind, more_text=more_text, workers=workers)
     size, feats, texts = shard_size(pages), [], []
     for i in range(-(-pages // size)):
         feats.append(load_file(str(shard_path(out, i)))["features"])
@@ -134,9 +145,12 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=1000, help="page stream of the train split")
     ap.add_argument("--kind", choices=sorted(PAGE_KINDS), default="small", help="page kind (pages.py)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--workers", type=int, default=0, help="processes rendering the pages (0: one thread)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    build(load_model(args.base), args.pages, args.seed, Path(args.out), kind=args.kind)
+    build(load_model(args.base, device=args.device), args.pages, args.seed, Path(args.out), kind=args.kind,
+          workers=args.workers)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,8 @@ def teacher_forced_logits(model: OCRModel, image_embeds: list[torch.Tensor], tex
     T = max(x.shape[0] for x in inputs)
     embeds = torch.stack([F.pad(x, (0, 0, 0, T - x.shape[0])) for x in inputs])
     target = torch.stack([F.pad(t, (0, T - t.shape[0]), value=-100) for t in targets])
-    return model.decoder(embeds), target
+    logits = model.decoder(embeds)
+    return logits, target.to(logits.device)
 
 
 def slot_positions(page, grid: int, slots: int, charset: str = CHARSET, shift: float = 0.0, lines: int = 1):
@@ -168,7 +169,7 @@ def pointer_targets(pointer: Pointer, target: torch.Tensor, row: int) -> tuple[t
     if len(scored) != len(pointer.cells[row]) + 1:
         raise ValueError(f"pointer targets need one text token per character: the tokenizer wrote {len(scored) - 1} "
                          f"tokens for {len(pointer.cells[row])} characters (characters outside its charset?)")
-    cells = torch.tensor(pointer.cells[row], dtype=torch.long)
+    cells = torch.tensor(pointer.cells[row], dtype=torch.long, device=target.device)
     aimed = (cells >= 0) | (cells == AT_BOS)
     queries, cells = scored[:len(cells)][aimed], cells[aimed]
     return queries, torch.where(cells == AT_BOS, 0, 1 + (cells // pointer.grid) * (pointer.grid + 1) + cells % pointer.grid)
@@ -185,8 +186,8 @@ def pointer_loss(tap: AttentionTap, pointer: Pointer, target: torch.Tensor) -> t
         if len(queries):
             for layer, head in pointer.heads:
                 logp = tap.log_attention(layer, head, row, queries)
-                losses.append(-logp[torch.arange(len(keys)), keys])
-    return torch.cat(losses).mean() if losses else torch.zeros(())
+                losses.append(-logp[torch.arange(len(keys), device=keys.device), keys])
+    return torch.cat(losses).mean() if losses else torch.zeros((), device=target.device)
 
 
 def pointer_accuracy(tap: AttentionTap, pointer: Pointer, target: torch.Tensor) -> float:

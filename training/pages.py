@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import os
 import random
 import re
 import textwrap
@@ -49,7 +50,9 @@ ACCENTED = {  # plain letter -> Latin-1 letters built on it, for accenting an AS
     "a": "àáâãäå", "e": "èéêë", "i": "ìíîï", "o": "òóôõöø", "u": "ùúûü", "y": "ýÿ", "n": "ñ", "c": "ç",
     "A": "ÀÁÂÃÄÅ", "E": "ÈÉÊË", "I": "ÌÍÎÏ", "O": "ÒÓÔÕÖØ", "U": "ÙÚÛÜ", "Y": "Ý", "N": "Ñ", "C": "Ç",
     "s": "ß", "d": "ð", "D": "Ð", "t": "þ", "T": "Þ"}
-FONT_DIR = "/usr/share/fonts/truetype/dejavu"
+# Debian's fonts-dejavu (fonts-dejavu-core + fonts-dejavu-extra: the condensed faces); elsewhere a folder of the same
+# files named by OCR_LATENT_FONT_DIR (a GPU machine without them gets them carried in)
+FONT_DIR = os.environ.get("OCR_LATENT_FONT_DIR", "/usr/share/fonts/truetype/dejavu")
 
 
 @dataclass(frozen=True)
@@ -242,7 +245,11 @@ class Page:
 def _font(path: str, size: int) -> ImageFont.FreeTypeFont:
     # BASIC layout (no libraqm shaping or ligatures): one glyph per character on every machine,
     # so per-character boxes are well defined and pages are identical wherever they are rendered.
-    return ImageFont.truetype(path, size, layout_engine=ImageFont.Layout.BASIC)
+    try:
+        return ImageFont.truetype(path, size, layout_engine=ImageFont.Layout.BASIC)
+    except OSError:
+        raise FileNotFoundError(f"the page renderer's font {path} is not there: install Debian's fonts-dejavu, or set "
+                                f"OCR_LATENT_FONT_DIR to a folder with the DejaVu fonts") from None
 
 
 def _take_lines(words: list[str], n_lines: int, width: int, rng: random.Random) -> list[str]:

@@ -78,7 +78,7 @@ class TrainingData:
         if args.data == "pages":
             self.cache_dir = Path(args.cache_dir or Path(args.run) / "features")
             self.features, self.texts = features.load(model, args.cache_pages, args.cache_seed, self.cache_dir,
-                                                      kind=args.pages, more_text=args.more_text)
+                                                      kind=args.pages, more_text=args.more_text, workers=args.workers)
             if own:  # the base's own reading of the same pages replaces their transcripts
                 self.texts = self_reading.cached_reading(model, self.features, self.cache_dir / "own-reading.json",
                                                          args.target_max_tokens)
@@ -353,6 +353,8 @@ def add_arguments(q) -> None:
     q.add_argument("--cache-pages", type=int, default=4096, help="rendered training pages, encoded once")
     q.add_argument("--cache-seed", type=int, default=1000, help="page stream of the rendered training pages")
     q.add_argument("--cache-dir", help="where their features live (default: RUN/features)")
+    q.add_argument("--workers", type=int, default=0, help="processes rendering the pages to encode (0: one thread; "
+                   "a GPU encodes faster than one CPU renders)")
     q.add_argument("--init", help="pca (token only), random, or a quantizer file to start from "
                    "(default: pca for token, random for cross_token)")
     q.add_argument("--pca-batches", type=int, default=4)
