@@ -493,6 +493,7 @@ class BaseTraining:
     def run(self) -> None:
         args, meta = self.args, self.meta
         t0, step = time.time(), meta["step"]
+        stop_at = time.monotonic() + args.stop_after_s if args.stop_after_s else float("inf")
         bar = tqdm(total=args.steps, initial=step, desc=f"base/{self.stage}", dynamic_ncols=True)
         while step < args.steps:
             lr = self.learning_rate(step)
@@ -502,16 +503,21 @@ class BaseTraining:
             step += 1
             bar.update(1)
             bar.set_postfix({k: v for k, v in row.items() if k != "step"} | {"lr": f"{lr:.1e}"})
-            if step % args.eval_every == 0 or step == args.steps:
+            last = step == args.steps or time.monotonic() >= stop_at  # the run's last step, or this call's
+            if step % args.eval_every == 0 or last:
                 row |= self.evaluate(step)
                 self.keep_if_best(step, row)
                 tqdm.write(f"step {step}: {row}  ({time.time() - t0:.0f}s)")
             if step % 10 == 0 or any(k.startswith("val_") for k in row):
                 meta["curve"].append(row | {"stage": self.stage})
-            if step % args.save_every == 0 or step == args.steps:
+            if step % args.save_every == 0 or last:
                 meta.update(step=step, wall_s=meta.get("wall_s", 0) + time.time() - t0, seed=args.seed, args=vars(args))
                 t0 = time.time()
                 self.save()
+            if last and step < args.steps:
+                tqdm.write(f"stopped at step {step} of {args.steps} after --stop-after-s {args.stop_after_s:g}; the same "
+                           f"command resumes the run")
+                break
         bar.close()
         self.loader.shutdown(cancel_futures=True)
 
@@ -736,6 +742,8 @@ def main(argv=None, prog: str | None = None) -> None:
     b.add_argument("--bf16", action="store_true", help="bf16 autocast (GPUs; CPUs with avx512_bf16/AMX)")
     b.add_argument("--threads", type=int, default=1)
     b.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    b.add_argument("--stop-after-s", type=float, default=0, help="end this call, evaluated and saved, at the first step "
+                   "past this many seconds (a lent machine's time); the same command resumes the run (0: no limit)")
     b.add_argument("--workers", type=int, default=0, help="processes rendering the training pages ahead of the steps "
                    "(0: one thread; a GPU's steps need several); the decoder stage's cache is rendered by them too")
     e = sub.add_parser("export", help="copy a training run's model to a servable directory")

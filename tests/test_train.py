@@ -343,12 +343,16 @@ def test_a_feature_cache_of_more_text_is_drawn_from_the_train_only_documents_and
 def test_pages_rendered_in_worker_processes_train_and_cache_what_one_thread_renders(tmp_path):
     """--workers N (for a GPU, whose steps outrun one CPU's rendering): the training pages and a feature cache's
     pages are rendered in N processes, ahead of their use; the runs and the cache are the ones the one rendering
-    thread gives, bit for bit, nothing lost or reordered."""
+    thread gives, bit for bit, nothing lost or reordered. And a run stopped by --stop-after-s (a lent machine's
+    time) is saved where it stopped and resumes to the same run."""
     from ocr_latent.training import features
     common = ["base", "--stage", "encoder", "--init", str(NANO), "--steps", "3", "--batch", "2", "--val-pages", "1",
               "--eval-every", "1000", "--save-every", "1000", "--threads", "2", "--order-weight", "1"]
-    for workers in (0, 2):
-        train.main([*common, "--out", str(tmp_path / f"run{workers}"), "--workers", str(workers)])
+    train.main([*common, "--out", str(tmp_path / "run0")])
+    train.main([*common, "--out", str(tmp_path / "run2"), "--workers", "2", "--stop-after-s", "0.001"])
+    meta = json.loads((tmp_path / "run2" / "train_meta.json").read_text())
+    assert meta["step"] == 1 and "val_slot_acc" in meta["curve"][-1]
+    train.main([*common, "--out", str(tmp_path / "run2"), "--workers", "2"])
     runs = [load_file(str(tmp_path / f"run{w}" / name)) for w in (0, 2)
             for name in ("train_state.safetensors", "model-00001-of-000001.safetensors")]
     assert all(torch.equal(runs[0][k], runs[2][k]) for k in runs[0]) and all(torch.equal(runs[1][k], runs[3][k]) for k in runs[1])
