@@ -286,6 +286,10 @@ class DeepEncoder(nn.Module):
     @torch.inference_mode()
     def encode_images(self, images: list[Image.Image], mode: str) -> Tensor:
         """Many pages in one forward -> features [B, g*g, D] (float32 on the model's device)."""
+        return self.encode_pixels(views_to_tensor([make_view(im, mode) for im in images]))
+
+    @torch.inference_mode()
+    def encode_pixels(self, pixels: Tensor) -> Tensor:
+        """Views already made into pixels [B,3,S,S] (views_to_tensor, on any device) -> encode_images' features."""
         p = next(self.parameters())
-        pixels = views_to_tensor([make_view(im, mode) for im in images]).to(p.device, p.dtype)
-        return self(pixels).float()
+        return self(pixels.to(p.device, p.dtype)).float()

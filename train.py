@@ -31,7 +31,7 @@ from tqdm import tqdm
 from ocr_latent.training import features, quantizer_trainer, self_reading
 from ocr_latent.architecture import DTYPE_NAMES
 from ocr_latent.checkpoint import OCRModel, file_sha256, load_model
-from ocr_latent.training.evaluation import evaluate, pixels_of, render_batch, renderers, slot_accuracy
+from ocr_latent.training.evaluation import Renderers, evaluate, pixels_of, slot_accuracy
 from ocr_latent.training.losses import (AttentionTap, Pointer, char_cells, lines_held, order_targets, pointer_accuracy,
                                        teacher_forced_logits, teacher_forced_loss)
 from ocr_latent.training.manifest import ROOT, curve_file, data_record, update_manifest
@@ -211,8 +211,8 @@ class BaseTraining:
             if self.bottleneck_needs_pca:
                 self.bottleneck.init_from_pca(self.cached[:256].to(self.device).float())
                 self.bottleneck_needs_pca = False
-        # the next batches are rendered while this step computes (evaluation.renderers)
-        self.loader, self.prefetch = renderers(args.workers, self.train_docs), {}
+        # the next batches are rendered while this step computes
+        self.loader, self.prefetch = Renderers(args.workers, self.train_docs), {}
         self.gated = stage == "joint" and args.pages == "nano2" and bool(args.advance_at)
         self._level_pages = {}
 
@@ -282,9 +282,7 @@ class BaseTraining:
             kind = toward_ordinary(self.level(step))
         else:
             kind = self.kind
-        indices = list(range(step * args.batch, (step + 1) * args.batch))
-        # a worker process has the documents already; the thread shares them
-        return self.loader.submit(render_batch, kind, args.seed, indices, self.mode, None if args.workers else self.train_docs)
+        return self.loader.submit(kind, args.seed, list(range(step * args.batch, (step + 1) * args.batch)), self.mode)
 
     def level(self, step: int) -> int:
         """The curriculum level this step trains on: reached by reading the level below (--advance-at),
@@ -338,7 +336,7 @@ class BaseTraining:
                     feats = through_bottleneck(bottleneck, feats, args.bottleneck_rounded)
             else:
                 pages, pixels = (self.prefetch.pop(step, None) or self.page_batch(step)).result()
-                for ahead in range(step + 1, min(step + 1 + max(1, args.workers), args.steps)):  # a batch per worker
+                for ahead in range(step + 1, min(step + 1 + self.loader.ahead, args.steps)):
                     if ahead not in self.prefetch:
                         self.prefetch[ahead] = self.page_batch(ahead)
                 feats, texts = model.encoder(pixels.to(device, non_blocking=True)), [p.text for p in pages]
@@ -519,7 +517,7 @@ class BaseTraining:
                            f"command resumes the run")
                 break
         bar.close()
-        self.loader.shutdown(cancel_futures=True)
+        self.loader.shutdown()
 
 
 def training_device(name: str) -> torch.device:

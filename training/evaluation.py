@@ -5,7 +5,7 @@ from __future__ import annotations
 import multiprocessing
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -39,30 +39,45 @@ def render_batch(kind: PageSpec | PageMix, seed: int, indices: list[int], mode: 
     return pages, pixels_of(pages, mode)
 
 
+class Renderers:
+    """Where batches of pages are rendered ahead of the step that uses them: `workers` processes (a GPU's steps
+    outrun one CPU's rendering), or with 0 one thread beside the training loop (PIL renders mostly outside the
+    GIL; on a CPU the step itself wants the cores). `ahead` batches are rendered ahead, no more: each holds
+    [batch, 3, S, S] fp32 pixels."""
+
+    def __init__(self, workers: int, documents: list[Document]):
+        self.ahead = max(1, workers)
+        if workers:  # spawned, not forked: a fork of a process whose torch has started its thread pools can hang
+            self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                            initializer=use_documents, initargs=(documents,))
+            self.documents = None  # each process was given them once
+        else:
+            self.pool, self.documents = ThreadPoolExecutor(1), documents
+
+    def submit(self, kind: PageSpec | PageMix, seed: int, indices: list[int], mode: str) -> Future:
+        """render_batch, as it is being done."""
+        return self.pool.submit(render_batch, kind, seed, indices, mode, self.documents)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(cancel_futures=True)
+
+    def __enter__(self) -> "Renderers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
 def rendered(kind: PageSpec | PageMix, seed: int, batches: list[list[int]], mode: str, documents: list[Document],
              workers: int = 0) -> Iterator[tuple[list[Page], torch.Tensor]]:
-    """render_batch of each batch of page indices, in order, the next max(1, workers) batches rendered ahead
-    (no more: each holds [batch, 3, S, S] fp32 pixels)."""
-    ahead = max(1, workers)
-    with renderers(workers, documents) as pool:
-        submit = lambda indices: pool.submit(render_batch, kind, seed, indices, mode, None if workers else documents)
-        pending = deque(submit(b) for b in batches[:ahead])
+    """render_batch of each batch of page indices, in order, rendered ahead by Renderers."""
+    with Renderers(workers, documents) as renderers:
+        pending = deque(renderers.submit(kind, seed, b, mode) for b in batches[:renderers.ahead])
         for n in range(len(batches)):
             batch = pending.popleft().result()
-            if n + ahead < len(batches):
-                pending.append(submit(batches[n + ahead]))
+            if n + renderers.ahead < len(batches):
+                pending.append(renderers.submit(kind, seed, batches[n + renderers.ahead], mode))
             yield batch
-
-
-def renderers(workers: int, documents: list[Document]) -> Executor:
-    """Where batches of pages are rendered ahead of the step that trains on them: `workers` processes (a GPU's
-    steps outrun one CPU's rendering), or with 0 one thread beside the training loop (PIL renders mostly
-    outside the GIL; on a CPU the step itself wants the cores)."""
-    if not workers:
-        return ThreadPoolExecutor(1)
-    # spawned, not forked: a fork of a process whose torch has started its thread pools can hang
-    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=use_documents,
-                               initargs=(documents,))
 
 
 @torch.inference_mode()

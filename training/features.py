@@ -59,10 +59,9 @@ def build(model: OCRModel, pages: int, seed: int, out: Path, batch: int = 16, ki
     """Encode pages [0, pages) of the train split's stream `seed` of page kind `kind` (pages.PAGE_KINDS),
     rounded up to whole shards; shards already there for this base and stream are kept. `more_text`: the
     pages' text is drawn from the train-only documents too (pages.train_only_documents). `workers`: processes
-    rendering the pages (evaluation.renderers), else one thread."""
+    rendering the pages (evaluation.Renderers), else one thread."""
     documents = training_documents(more_text)
     mode = model.config.get("ocr_latent", {}).get("mode", "base")
-    weight = next(model.encoder.parameters())
     out.mkdir(parents=True, exist_ok=True)
     size = shard_size(pages)
     todo = [i for i in range(-(-pages // size)) if not shard_is_for(shard_path(out, i), shard_key(model, seed, i, size, kind, more_text))]
@@ -72,8 +71,7 @@ def build(model: OCRModel, pages: int, seed: int, out: Path, batch: int = 16, ki
     chunks = [(i, list(range(j, min(j + batch, (i + 1) * size)))) for i in todo for j in range(i * size, (i + 1) * size, batch)]
     feats, texts = [], []
     for n, (chunk, pixels) in enumerate(rendered(PAGE_KINDS[kind], seed, [c for _, c in chunks], mode, documents, workers)):
-        # what encode_images computes, from pixels rendered ahead
-        feats.append(model.encoder(pixels.to(weight.device, weight.dtype)).float().to("cpu", torch.bfloat16))
+        feats.append(model.encoder.encode_pixels(pixels).to("cpu", torch.bfloat16))
         texts += [p.text for p in chunk]
         bar.update(len(chunk))
         if n + 1 == len(chunks) or chunks[n + 1][0] != chunks[n][0]:  # the shard's last batch
