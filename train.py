@@ -36,7 +36,7 @@ from ocr_latent.training.losses import (AttentionTap, Pointer, char_cells, lines
                                        teacher_forced_logits, teacher_forced_loss)
 from ocr_latent.training.manifest import ROOT, curve_file, data_record, update_manifest
 from ocr_latent.training.nano import DEFAULT_FILES, grown_nano, model_charset, new_nano, save_run, split_inputs, widened_nano
-from ocr_latent.training.recipe import code_fsq, cosine_to_tenth
+from ocr_latent.training.recipe import code_fsq, cosine_to_tenth, training_device
 from ocr_latent.training.pages import (CURRICULUM_LEVELS, FIELD_SHIFT, ORDINARY, PAGE_KINDS, PageSpec, PageStream, char_targets,
                                       level_pages, load_corpus, on_lines, split_documents, test_pages, toward_ordinary,
                                       training_documents)
@@ -518,18 +518,6 @@ class BaseTraining:
                 break
         bar.close()
         self.loader.shutdown()
-
-
-def training_device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise SystemExit(f"--device {name}: give cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device {name}: this torch sees no CUDA GPU; train with --device cpu, or install a CUDA build of torch")
-    if device.type not in ("cpu", "cuda"):
-        raise SystemExit(f"--device {name}: base training runs on cpu or cuda")
-    return device
 
 
 def pointer_heads(spec: str, cfg, option: str = "--pointer-heads") -> list[tuple[int, int]]:

@@ -374,9 +374,14 @@ def test_heads_asked_of_an_exported_model_are_refused_with_the_reason(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
-def test_training_on_a_gpu_this_torch_cannot_see_says_so():
+def test_training_on_a_gpu_this_torch_cannot_see_says_so(tmp_path):
     with pytest.raises(SystemExit, match="sees no CUDA GPU; train with --device cpu"):
-        train.main(["base", "--device", "cuda", "--steps", "1", "--out", "unused"])
+        train.main(["base", "--device", "cuda", "--steps", "1", "--out", str(tmp_path / "run")])
+    with pytest.raises(SystemExit, match="sees no CUDA GPU; train with --device cpu"):
+        train.main(["quantizer", "--base", str(NANO), "--device", "cuda", "--steps", "1", "--out", str(tmp_path / "q.safetensors")])
+    with pytest.raises(SystemExit, match="--device tpu: give cpu, cuda or cuda:N"):
+        train.main(["quantizer", "--base", str(NANO), "--device", "tpu", "--steps", "1", "--out", str(tmp_path / "q.safetensors")])
+    assert not list(tmp_path.iterdir())
 
 
 def test_length_grouped_batches_draw_every_page_once_an_epoch_with_little_padding():

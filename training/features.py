@@ -23,6 +23,7 @@ from tqdm import tqdm
 from ocr_latent.checkpoint import OCRModel, load_model
 from ocr_latent.training.evaluation import rendered
 from ocr_latent.training.pages import PAGE_KINDS, PageStream, training_documents
+from ocr_latent.training.recipe import training_device
 
 SHARD = 512
 
@@ -146,6 +147,7 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--workers", type=int, default=0, help="processes rendering the pages (0: one thread)")
     args = ap.parse_args(argv)
+    training_device(args.device)
     torch.set_num_threads(args.threads)
     build(load_model(args.base, device=args.device), args.pages, args.seed, Path(args.out), kind=args.kind,
           workers=args.workers)

@@ -34,7 +34,7 @@ from ocr_latent.training.reading_metrics import cer
 from ocr_latent.training.pages import PAGE_KINDS, PageMix, PageSpec, PageStream, load_corpus, split_documents, test_pages
 from ocr_latent.serving.pipeline import base_fingerprint
 from ocr_latent.quantizer import CrossTokenFSQ, FSQ, ScalarCodes, code_usage
-from ocr_latent.training.recipe import code_fsq, code_geometry, cosine_to_tenth
+from ocr_latent.training.recipe import code_fsq, code_geometry, cosine_to_tenth, training_device
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff")
 IDENTITY = ("base_fingerprint", "geometry", "seed", "data", "targets", "pages", "more_text")  # what a resumed run must share
@@ -201,6 +201,7 @@ def initialise(args, q: ScalarCodes, data: TrainingData) -> None:
 def train_quantizer(args) -> None:
     if args.kind == "cross_token" and args.hidden:
         raise SystemExit("--hidden is for --kind token; a cross-token quantizer's sizes are --width/--depth/--heads")
+    training_device(args.device)
     args.init = args.init or ("pca" if args.kind == "token" else "random")
     torch.manual_seed(args.seed)
     out = Path(args.out or Path(args.base) / "quantizer.safetensors")

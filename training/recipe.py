@@ -1,13 +1,28 @@
-"""What the base's training (train.py) and the quantizer's (quantizer_trainer.py) share: a base's code
-geometry and the learning-rate schedule."""
+"""What the base's training (train.py) and the quantizer's (quantizer_trainer.py) share: the device they train
+on, a base's code geometry and the learning-rate schedule."""
 from __future__ import annotations
 
 import math
+
+import torch
 
 from ocr_latent.architecture import NUM_CODES
 from ocr_latent.checkpoint import OCRModel
 from ocr_latent.encoder import MODES
 from ocr_latent.quantizer import FSQ
+
+
+def training_device(name: str) -> torch.device:
+    """--device NAME as a torch device, or the reason it cannot train here (a CPU build of torch asked for cuda)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise SystemExit(f"--device {name}: give cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name}: this torch sees no CUDA GPU; train with --device cpu, or install a CUDA build of torch")
+    if device.type not in ("cpu", "cuda"):
+        raise SystemExit(f"--device {name}: training runs on cpu or cuda")
+    return device
 
 
 def code_geometry(model: OCRModel, mode: str, levels: int) -> tuple[int, int, list[int]]:
