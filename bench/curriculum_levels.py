@@ -1,8 +1,8 @@
 """Uncompressed CER of a model (a training run's directory, or the embedded nano) on held-out pages of each
-level of nano v3's curriculum (`pages.toward_ordinary`: 0 is 40-56 px text on ordinary pages, 4 the nano2
-mix's ordinary pages) and of nano v1's small pages (`small`): where a curriculum run stands.
+level of nano v3's curriculum (`pages.toward_ordinary`: 0 is 40-56 px text on ordinary pages, 8 (CURRICULUM_LEVELS)
+the ordinary pages themselves, 18-40 px) and of nano v1's small pages (`small`): where a curriculum run stands.
 
-    python bench/curriculum_levels.py runs/v3-joint --levels small,0,1,2,3,4 --pages 6
+    python bench/curriculum_levels.py runs/v3-joint --levels small,0,2,4,6,8 --pages 6
     python bench/curriculum_levels.py runs/v3-joint4 --levels 0 --pages 16 --seed 21 --split-at 48   # by glyph size
     python bench/curriculum_levels.py runs/v4-dec12 --levels 0 --pages 64 --seed 21 --by-line  # lines sharing a token row
     python bench/curriculum_levels.py runs/v4-dec12 --levels 0 --pages 16 --seed 21 --by-line --show 8  # and some of them
