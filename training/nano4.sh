@@ -34,6 +34,8 @@ cd "$(dirname "$0")/.."
 RUNS=${RUNS:-runs}
 PY=${PY:-.venv/bin/python}
 bf16=${BF16-"--bf16"}
+# torch's CPU allocator takes transparent huge pages for its large buffers: a page fault per 2 MB, not per 4 KB
+export THP_MEM_ALLOC_ENABLE=${THP_MEM_ALLOC_ENABLE-1}
 v1=$RUNS/nano-v1  # the chain grows from nano v1, read from the commit that shipped it (training/nano.py)
 $PY -m ocr_latent.training.nano --v1-to "$v1" > /dev/null
 targets=(--aux-weight 1 --order-weight 1 --order-slots 16 --head-hidden 512 --patch-weight 1
