@@ -15,5 +15,10 @@ echo "setup: installing pinned dependencies into .venv (first run only)" >&2
 .venv/bin/python -m pip install --disable-pip-version-check --no-compile -q -r .venv/requirements.txt
 # this project itself, editable: the `ocr_latent` package importable from anywhere, and the `ocr-latent` command
 .venv/bin/python -m pip install --disable-pip-version-check --no-compile -q --no-deps -e .
+# bytecode for every installed module, once: where PYTHONDONTWRITEBYTECODE is set, each process (the server, each
+# CLI call, each Ray worker) would otherwise compile torch's sources again on import, seconds every start. A file
+# this Python cannot compile (a newer Python's test syntax) is left to import, hence no failure on its error.
+echo "setup: compiling the installed modules (first run only)" >&2
+.venv/bin/python -m compileall -q -j 0 .venv/lib/python3*/site-packages > /dev/null || true
 rm -f .venv/.deps-*
 touch "$stamp"

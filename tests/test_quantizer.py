@@ -129,9 +129,10 @@ def test_a_base_tensor_that_moves_during_training_stops_the_run_before_anything_
 @pytest.mark.slow  # trains
 def test_a_stopped_run_resumes_to_the_same_quantizer(tmp_path):
     straight, resumed = tmp_path / "a" / "quantizer.safetensors", tmp_path / "b" / "quantizer.safetensors"
-    train.main(quantizer_args(tmp_path, 6, "--out", str(straight)))
-    train.main(quantizer_args(tmp_path, 4, "--out", str(resumed)))  # "stopped" after step 4 (saved at 2, 4)
-    train.main(quantizer_args(tmp_path, 6, "--out", str(resumed)))
+    run = lambda steps, out: train.main(quantizer_args(tmp_path, steps, "--out", str(out), "--val-pages", "1"))
+    run(6, straight)
+    run(4, resumed)  # "stopped" after step 4 (saved at 2, 4)
+    run(6, resumed)
     a, b = ScalarCodes.load(straight)[0].state_dict(), ScalarCodes.load(resumed)[0].state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     curve = json.loads((resumed.with_suffix(".run") / "run.json").read_text())["curve"]
