@@ -33,12 +33,11 @@ def page_dir(tmp_path_factory):
 def test_a_few_quantizer_steps_lower_the_loss_and_write_a_loadable_quantizer(tmp_path, page_dir):
     out, manifest = tmp_path / "quantizer.safetensors", tmp_path / "manifest.json"
     train.main(["quantizer", "--base", str(NANO), "--data", str(page_dir), "--steps", "8", "--batch", "4",
-                "--lr", "3e-3", "--warmup", "1", "--eval-pages", "0", "--val-pages", "2", "--max-tokens", "32",
-                "--out", str(out), "--manifest", str(manifest), "--threads", "2"])
+                "--lr", "3e-3", "--warmup", "1", "--eval-pages", "0", "--out", str(out), "--manifest", str(manifest),
+                "--threads", "2"])
     record = json.loads(manifest.read_text())["artifacts"][f"{tmp_path.name}/quantizer"]
     ce = [row["ce"] for row in record["curve"]]
     assert len(ce) == 8 and ce[-1] < ce[0]  # the same 4 pages every step
-    assert [row["step"] for row in record["val_curve"]] == [8]  # validated on held-out pages at the end
     assert record["geometry"]["num_codes"] == 4096 and record["base_model"] == load_model(NANO).name
     assert record["data"] == {"dir": str(page_dir), "pages": 4, "draws": 32} and record["hyperparameters"]["steps"] == 8
     fsq, _ = load_quantizer(out, load_model(NANO))  # fingerprint matches the base it was trained on
