@@ -252,8 +252,8 @@ def test_bulk_jobs_match_encode_and_decode(servers, clients, images, tmp_path):
     assert "1 page(s) to encode, 8 already done" in rerun.stderr, rerun.stderr[-3000:]
     assert pq.read_table(out).to_pylist() == table
 
-    run = subprocess.run(cli + ["bulk-decode", str(out), str(texts), "--max-tokens", str(SHORT), "--batch-size", "3"], env=env,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(cli + ["bulk-decode", str(out), str(texts), "--max-tokens", str(SHORT), "--batch-size", "3"],
+                         env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [json.loads(line) for line in texts.read_text().splitlines()]
     assert len(lines) == 8
