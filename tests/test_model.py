@@ -385,7 +385,7 @@ def test_the_embedded_default_serves_in_bf16_and_its_quantizer_still_names_it():
     codes = pipe.encode([p.image for p in pages])
     seqs = pipe.new_generator(3).generate([pipe.decode_inputs(c, "free") for c in codes], [200] * 3)
     errors = [cer(pipe.text(s.tokens), p.text) for s, p in zip(seqs, pages)]
-    assert sum(errors) / 3 < 0.15, errors  # measured 0.090 (0.0, 0.052, 0.217) for nano v3.1; v3 read 0.127, v1 0.049
+    assert sum(errors) / 3 < 0.15, errors  # measured 0.051 (0.0, 0.052, 0.101) for nano v3.2; v3.1 read 0.090, v3 0.127, v1 0.049
     with torch.no_grad():  # a changed projector is another base, whatever was stored
         model.encoder.projector.layers.weight.add_(0.5)
     assert base_fingerprint(model) != signed
