@@ -5,12 +5,18 @@ The worker is a dynamic micro-batcher:
   * encode jobs that arrive within `encode_batch_window_ms` of each other (up to `encode_max_batch`)
     go through the towers as one batch;
   * decode jobs join a running `generation.Generator` (continuous batching, `decode_slots` sequences in
-    one batched KV cache) at the next step boundary and leave it as soon as they finish;
+    one batched KV cache) at the next step boundary and leave it as soon as they finish. Free slots go
+    by fair turns, not first come first served: a request's jobs share a `group`, and the group with
+    the fewest sequences running goes first, while the last few free slots are kept for requests with
+    none running (`Engine._fair_turn`), so that large files share the slots and a lone page is not
+    queued behind them;
   * each turn of the loop runs at most one encode batch, admits waiting decodes into free slots (one
     batched prefill) and runs one decode step, so neither kind starves the other.
 Jobs waiting for the worker (not yet in a batch) form a bounded queue (`max_queue`): submitting to a
-full one raises `Overloaded`. A job not done by its deadline fails with `DeadlineExceeded`; a
-cancelled job is dropped from the queue or the running batch.
+full one raises `Overloaded`, and so does a decode that could only time out waiting, every slot it
+could take being held by sequences that cannot finish before its deadline (`Engine._refuse_a_certain_timeout`).
+A job not done by its deadline fails with `DeadlineExceeded`; a cancelled job is dropped from the queue
+or the running batch.
 
 Every job carries a `concurrent.futures.Future`, resolved on the worker thread with the result or a
 domain error (`EngineError` subclasses): asyncio callers wrap it (`asyncio.wrap_future`), threads
@@ -20,10 +26,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 import traceback
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -104,7 +111,9 @@ class EncodeJob(Job):
 class DecodeJob(Job):
     """Codes uint8 [NUM_CODES] + a prompt name -> DecodeResult. With `on_text`, the text is also handed
     over piece by piece as it is generated (called on the worker thread: it must not block); the
-    pieces join into DecodeResult.text. `min_tokens`, `ignore_eos`: as generation.Sequence's."""
+    pieces join into DecodeResult.text. `min_tokens`, `ignore_eos`: as generation.Sequence's. `group`: the
+    jobs of one request share one (any object, compared by identity; None: a group of its own), for the
+    fair turns at the decode slots (Engine._fair_turn)."""
     codes: np.ndarray
     prompt: str
     max_tokens: int
@@ -114,6 +123,12 @@ class DecodeJob(Job):
     seq: object = None  # decoder.Sequence while decoding
     stream: "TextStream | None" = None
     prompt_tokens: int = 0
+    group: object = None
+
+    @property
+    def group_key(self) -> int:
+        """Its group's identity: by id, so that any object serves, hashable or not."""
+        return id(self if self.group is None else self.group)
 
 
 @dataclass
@@ -162,6 +177,10 @@ class Engine(EngineState):
         self.encodes: deque[EncodeJob] = deque()
         self.decodes: deque[DecodeJob] = deque()
         self.running: list[DecodeJob] = []  # decode jobs whose sequences are in the generator
+        self.admitting: list[DecodeJob] = []  # taken from the queue by the worker, not in `running` yet
+        # the last free decode slots, which only a group with no sequence running may take (_fair_turn)
+        self.reserve = max(1, config.decode_slots // 8)
+        self.step_s: float | None = None  # the worker's estimate of a decode step's seconds (_track_step)
         self.pipeline = None
         self.gen = None
         self.ready = False
@@ -188,9 +207,11 @@ class Engine(EngineState):
 
     def decode(self, codes: np.ndarray, prompt: str = "free", max_tokens: int = 4096,
                timeout_s: float | None = None, on_text: Callable[[str], None] | None = None,
-               min_tokens: int = 0, ignore_eos: bool = False) -> DecodeJob:
+               min_tokens: int = 0, ignore_eos: bool = False, group: object = None) -> DecodeJob:
         """`min_tokens`: EOS and the loop detector cannot end it sooner; `ignore_eos`: nor ever, it runs to
-        max_tokens (vLLM's fields, for benchmarks of fixed output lengths)."""
+        max_tokens (vLLM's fields, for benchmarks of fixed output lengths). `group`: one object for all the
+        jobs of a request (its pages), so that requests, not pages, take turns at the slots (None: the job
+        is a request of its own)."""
         self.check_ready()  # the prompts and the cache's size are known once loaded
         if prompt not in self.prompts:
             raise ValueError(f"prompt {prompt!r} is not available for model {self.pipeline.label!r} "
@@ -199,7 +220,8 @@ class Engine(EngineState):
                       f"a sequence holds {self.gen.slot_tokens} positions (the model's {self.gen.max_positions}, or "
                       f"KV_CACHE_TOKENS / DECODE_SLOTS) and the page and prompt take {self.pipeline.prompt_length(prompt)}")
         return self.submit(DecodeJob(codes=codes, prompt=prompt, max_tokens=max_tokens, min_tokens=min_tokens,
-                                     ignore_eos=ignore_eos, on_text=on_text, deadline=self.deadline(timeout_s)))
+                                     ignore_eos=ignore_eos, on_text=on_text, group=group,
+                                     deadline=self.deadline(timeout_s)))
 
     def max_new_tokens(self, prompt: str = "free") -> int:
         """The most tokens a decode with `prompt` may ask for: what a cache slot holds beyond the prompt."""
@@ -212,7 +234,8 @@ class Engine(EngineState):
                                                   tuple(p.prompts))
 
     def submit(self, job: Job) -> Job:
-        """Queue a job; raises Loading, Unavailable (failed, shutting down) or Overloaded (queue full)."""
+        """Queue a job; raises Loading, Unavailable (failed, shutting down) or Overloaded (queue full, or a
+        decode that could only time out waiting for a slot)."""
         with self.cv:
             if self.stopping or self.drain_deadline is not None:
                 raise Unavailable("the server is shutting down", self.s.loading_retry_after_s)
@@ -226,10 +249,60 @@ class Engine(EngineState):
             if waiting > self.s.max_queue:
                 raise Overloaded(f"the queue is full ({self.s.max_queue} requests waiting, MAX_QUEUE); retry later",
                                  self.s.retry_after_s)
+            if is_decode:
+                self._refuse_a_certain_timeout(job)
             (self.decodes if is_decode else self.encodes).append(job)
             self._gauge_queue()
             self.cv.notify()
         return job
+
+    def _refuse_a_certain_timeout(self, job: DecodeJob) -> None:
+        """Raise Overloaded (a 503 with Retry-After, now) rather than queue a decode for a certain
+        DeadlineExceeded (a 504, at its deadline): when it would wait for a slot (none free that `_fair_turn`
+        would give it, counting the jobs already waiting), and every slot it could get is held by a sequence
+        that will certainly still be running at its deadline. It can only start once one of those frees,
+        and none can before the soonest of their `_certain_s`. Conservative: no refusal without a step-time
+        estimate, nor while the worker is admitting jobs (their slots are not visible yet).
+
+        Runs on the caller's thread under `cv`; the worker replaces `running` without it, so this reads
+        one snapshot of it, and a sequence in it may have finished since (it then counts as 0 s)."""
+        step_s, now = self.step_s, time.monotonic()
+        if step_s is None or self.admitting:
+            return
+        free = self.gen.capacity  # before the snapshot: a slot freed in between shows as a finished sequence
+        running = list(self.running)
+        if len(running) < self.gen.slots - free:  # a sequence being added right now: of unknown length
+            return
+        live = [j for j in self.decodes if not j.cancelled and now <= j.deadline]
+        turn = self._fair_turn(live + [job], free, self._holding(running))
+        if any(j is job for j, _ in turn):
+            return  # it takes a slot at the next step
+        # a job this turn gives a slot to its group's second or later sequence may yet lose it to a newcomer
+        # of a group with none running, of unknown length: its slot may free at once
+        held = [self._certain_s(j, step_s, now) for j in running] + \
+               [0.0 if holding else self._certain_s(j, step_s, now) for j, holding in turn]
+        soonest, left = min(held, default=0.0), job.deadline - now
+        if soonest > left:
+            retry = max(self.s.retry_after_s, math.ceil(soonest - left))
+            raise Overloaded(f"every decode slot this request could take is held by a sequence that cannot finish "
+                             f"before the request's deadline, {left:.1f}s away (the first frees in {soonest:.1f}s at "
+                             f"the earliest: ignore_eos or min_tokens hold them); queued, it could only time out: "
+                             f"retry in {retry}s", retry)
+
+    @staticmethod
+    def _certain_s(job: DecodeJob, step_s: float, now: float) -> float:
+        """Seconds for which `job` (running, or about to be admitted) will certainly still hold its slot: its
+        steps that neither EOS nor the repetition rule can cut short (up to max_tokens with ignore_eos,
+        else up to min_tokens) at `step_s` each, and no later than its own deadline (it is reaped then).
+        0 once finished or cancelled."""
+        seq = job.seq
+        if job.cancelled or seq is not None and seq.finish_reason is not None:
+            return 0.0
+        if seq is None:
+            steps = job.max_tokens if job.ignore_eos else job.min_tokens
+        else:  # `pending`: a token computed and not read back yet (the generator's overlap on CUDA)
+            steps = (seq.max_tokens if seq.ignore_eos else seq.min_tokens) - len(seq.tokens) - seq.pending
+        return max(0.0, min(steps * step_s, job.deadline - now))
 
     def cancel(self, job: Job) -> None:
         """Drop a job (its submitter has gone): from the queue, or from the running batch at the next step."""
@@ -339,6 +412,49 @@ class Engine(EngineState):
             out.append(job)
         return out
 
+    @staticmethod
+    def _holding(running: list[DecodeJob]) -> Counter:
+        """Group -> its sequences running."""
+        return Counter(j.group_key for j in running if j.seq.finish_reason is None)
+
+    def _fair_turn(self, waiting: list[DecodeJob], free: int, holding: Counter) -> list[tuple[DecodeJob, int]]:
+        """Which of `waiting` (in arrival order) take the `free` decode slots this turn, in the order chosen,
+        each with the sequences its group held before it (`holding`: group -> sequences running).
+
+        Fair turns: each slot goes to the group holding the fewest sequences, counting those chosen this turn,
+        ties to the group whose next job arrived first; a group's own jobs go in arrival order. Jobs that
+        are groups of their own (group None) thus go first come first served, as ever, and two large files
+        share the slots evenly however their pages arrived. And a reserve: a group that holds a sequence
+        never takes one of the last `reserve` free slots (decode_slots // 8, at least 1), so that a request
+        with none running (a lone page) finds a slot free within a step or so while large files decode. The
+        price: a lone large file decodes in decode_slots - reserve slots (14 of 16), the reserve idle."""
+        queues: dict[int, deque] = {}  # group -> its waiting jobs, each with its place in the arrival order
+        for place, j in enumerate(waiting):
+            queues.setdefault(j.group_key, deque()).append((place, j))
+        count, out = Counter(holding), []
+        while len(out) < free and queues:
+            group = min(queues, key=lambda g: (count[g], queues[g][0][0]))
+            if count[group] and free - len(out) <= self.reserve:
+                break  # the group holding fewest holds some: the rest is the reserve
+            _, j = queues[group].popleft()
+            if not queues[group]:
+                del queues[group]
+            out.append((j, count[group]))
+            count[group] += 1
+        return out
+
+    def _take_decodes(self) -> list[DecodeJob]:
+        """Take the decodes that get the free slots this turn (`_fair_turn`) from the queue; the others stay,
+        in arrival order. As `_take`, drops the cancelled ones and fails the late ones (from the whole queue)."""
+        free = self.gen.capacity
+        if not free or not self.decodes:
+            return []
+        live = self._take(self.decodes, len(self.decodes))  # empties the queue
+        taken = [j for j, _ in self._fair_turn(live, free, self._holding(self.running))]
+        chosen = set(map(id, taken))
+        self.decodes.extend(j for j in live if id(j) not in chosen)
+        return taken
+
     def _serve(self) -> None:
         window = self.s.encode_batch_window_ms / 1000
         while True:
@@ -358,13 +474,14 @@ class Engine(EngineState):
                            and (left := until - time.monotonic()) > 0):
                         self.cv.wait(left)
                 encode_batch = self._take(self.encodes, self.s.encode_max_batch)
-                admit = self._take(self.decodes, self.gen.capacity)
+                admit = self.admitting = self._take_decodes()
                 self._gauge_queue()
             if encode_batch:
                 self._encode(encode_batch)
             self._reap()
             if admit:
                 self._admit(admit)
+            self.admitting = []
             if any(j.seq.finish_reason is None for j in self.running):
                 self._step()
 
@@ -431,10 +548,21 @@ class Engine(EngineState):
             return
         if self.s.step_delay_s:
             time.sleep(self.s.step_delay_s)
-        self.m.step_seconds.observe(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.m.step_seconds.observe(seconds)
+        self._track_step(seconds)
         self.m.decode_batch.observe(n)
         self.m.count_tokens(n)
         self._finish_done()
+
+    def _track_step(self, seconds: float) -> None:
+        """Update `step_s`, the step time behind submit's early refusals: an exponential moving average that
+        leans low, halfway to a faster step, 5% of the way to a slower one (counted as at most twice the
+        estimate). Too high, it refuses work that would have run (say, after a slow outlier: a CUDA graph
+        captured for a new shape); too low, it only queues work that then times out, as with no estimate."""
+        est = self.step_s
+        self.step_s = seconds if est is None else \
+            est + (0.5 if seconds < est else 0.05) * (min(seconds, 2 * est) - est)
 
     def _send_text(self, job: DecodeJob, piece: str) -> None:
         if piece and not job.cancelled:

@@ -192,7 +192,10 @@ class RemoteEngine(EngineState):
         return job
 
     def decode(self, codes: np.ndarray, prompt: str = "free", max_tokens: int = 4096,
-               timeout_s: float | None = None, on_text=None, min_tokens: int = 0, ignore_eos: bool = False) -> RemoteJob:
+               timeout_s: float | None = None, on_text=None, min_tokens: int = 0, ignore_eos: bool = False,
+               group: object = None) -> RemoteJob:
+        # `group` (Engine.decode's fair turns) stays here: the replicas take each page as a request of its own
+        # (a group is compared by identity, which would not survive the trip to them)
         self.check_ready()
         if prompt not in self.prompts:
             raise ValueError(f"prompt {prompt!r} is not available for model {self.info.label!r} "

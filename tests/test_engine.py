@@ -182,3 +182,73 @@ def test_overlapped_steps_with_the_rule_on_the_device_serve_what_the_cpus_steps_
     assert served[True] == served[False]
     assert [r.finish_reason for r, _ in served[False]] == ["stop", "length", "stop"]
     assert all(text == r.text for r, text in served[False])
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the engine did not get there in time"
+        time.sleep(0.01)
+
+
+def test_requests_take_turns_at_the_decode_slots_and_a_lone_page_finds_one_free_while_files_decode():
+    """Fair turns (issue 52): two requests of more pages than there are slots, the second's all queued
+    behind the first's, share the slots; and a lone short page of a third request decodes at once, in the
+    slot kept for requests with nothing running, rather than waiting for the files (first come first
+    served: until its deadline)."""
+    engine = Engine(EngineConfig(torch_threads=1, decode_slots=4, step_delay_s=0.05)).start()
+    pages = {}
+    try:
+        engine.wait_ready(60)
+        codes = np.zeros(4096, np.uint8)
+        files = {"a": object(), "b": object()}
+        endless = dict(max_tokens=engine.max_new_tokens("free"), ignore_eos=True)  # ~7,900 steps: minutes
+        with engine.cv:  # the worker sees them all at once, "a"'s six pages first
+            pages = {name: [engine.decode(codes, group=group, **endless) for _ in range(6)]
+                     for name, group in files.items()}
+        wait_until(lambda: len(engine.running) >= 3)
+        t0 = time.monotonic()
+        lone = engine.decode(codes, max_tokens=8).future.result(10)
+        assert lone.num_tokens <= 8 and time.monotonic() - t0 < 5
+        holding = sorted(sum(j in engine.running for j in jobs) for jobs in pages.values())
+        assert holding == [1, 2] and engine.gen.capacity == 1  # the last slot kept free, for the next lone page
+    finally:
+        for job in [j for jobs in pages.values() for j in jobs]:
+            engine.cancel(job)
+        engine.stop()
+
+
+def test_a_decode_that_could_only_time_out_waiting_for_a_slot_is_refused_at_once():
+    """Every slot held by a sequence that cannot end before a new decode's deadline (ignore_eos, or min_tokens,
+    at the steps' measured pace): a 503 (Overloaded) at submit, not a 504 at the deadline. Sequences that
+    may end at any step (EOS) refuse nothing, and neither do ones reaped by their own deadline in time."""
+    engine = Engine(EngineConfig(torch_threads=1, decode_slots=2, step_delay_s=0.05)).start()
+    running = []
+    try:
+        engine.wait_ready(60)
+        most = engine.max_new_tokens("free")
+        noise = np.random.default_rng(0).integers(0, 16, 4096).astype(np.uint8)  # reads on and on
+
+        def fill(**lengths):
+            for job in running:
+                engine.cancel(job)
+            running[:] = [engine.decode(noise, max_tokens=most, **lengths) for _ in range(2)]
+            wait_until(lambda: all(j.seq is not None and len(j.seq.tokens) > 3 for j in running)
+                       and engine.step_s is not None and engine.gen.capacity == 0)
+
+        for certain in (dict(ignore_eos=True), dict(min_tokens=most)):  # ~7,900 steps of 0.05 s and more
+            fill(**certain)
+            with pytest.raises(Overloaded, match="could only time out") as refused:
+                engine.decode(noise, max_tokens=8, timeout_s=5)
+            assert refused.value.retry_after_s > 100 and not engine.decodes  # nothing queued
+            # the running ones are reaped at their deadline (120 s, REQUEST_TIMEOUT_S), before this one's
+            waits = engine.decode(noise, max_tokens=8, timeout_s=200)
+            engine.cancel(waits)
+        fill()
+        waits = engine.decode(noise, max_tokens=8, timeout_s=5)  # EOS may end a running one at any step
+        assert not waits.future.done()  # queued (or, had a running one just ended, decoding)
+        engine.cancel(waits)
+    finally:
+        for job in running:
+            engine.cancel(job)
+        engine.stop()
