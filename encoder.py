@@ -12,12 +12,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image, ImageOps
+from PIL import Image
 from torch import Tensor, nn
 
-# mode -> (view size in pixels, letterbox?). Tiny/Small stretch the page, Base/Large letterbox it.
-MODES = {"tiny": (512, False), "small": (640, False), "base": (1024, True), "large": (1280, True)}
-PAD_FILL = (127, 127, 127)  # int(0.5 * 255) per channel, as the original pads
+from ocr_latent.views import MODES, PAD_FILL, load_image, make_view  # noqa: F401 - the encoder's preprocessing
 
 
 @dataclass
@@ -53,27 +51,7 @@ class VisionConfig:
             projector_input_dim=proj["input_dim"], projector_dim=proj["n_embed"])
 
 
-# ----------------------------------------------------------------------------- preprocessing
-def load_image(data: bytes | Image.Image) -> Image.Image:
-    """Decode, honour EXIF orientation, convert any mode to RGB. An image that is upright RGB already
-    (documents.open_image's, a rendered page) is returned as it is: the work is done once per page."""
-    if isinstance(data, Image.Image) and data.mode == "RGB" and data.getexif().get(0x0112, 1) == 1:
-        return data  # what exif_transpose(...).convert("RGB") would copy unchanged
-    if not isinstance(data, Image.Image):
-        import io
-        data = Image.open(io.BytesIO(data))
-        data.load()
-    return ImageOps.exif_transpose(data).convert("RGB")
-
-
-def make_view(image: Image.Image, mode: str) -> Image.Image:
-    size, letterbox = MODES[mode]
-    image = load_image(image)
-    if letterbox:  # keep aspect, scale to fit (also up), centre on grey
-        return ImageOps.pad(image, (size, size), color=PAD_FILL)
-    return image.resize((size, size), Image.Resampling.BICUBIC)
-
-
+# ----------------------------------------------------------------------------- preprocessing (views: views.py)
 def view_to_tensor(view: Image.Image) -> Tensor:
     """uint8 HWC -> float CHW in [-1, 1] ((x/255 - 0.5) / 0.5)."""
     return views_to_tensor([view])[0]

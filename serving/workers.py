@@ -1,19 +1,23 @@
-"""PDF pages rendered in a separate process, within limits: a hostile PDF (a few KB that draw a rectangle
-10^12 times through nested forms) costs that process its memory and time, never the server's.
+"""Documents decoded in separate processes, within limits: a hostile PDF (a few KB that draw a rectangle
+10^12 times through nested forms) or image (a 200 KB progressive JPEG that repeats its last scan 4,000
+times) costs that process its memory and time, never the server's, and stops when its client leaves.
 
 Two sides in one module:
 
-- the worker, `python -m ocr_latent.serving.pdf_worker --memory-bytes N`: it caps its own address space
-  (RLIMIT_AS) before it imports PDFium, then answers requests on stdin/stdout one at a time: `open` (a
-  document; answers its page count), `render` (one page of it, as RGB bytes at a given longest side),
-  `close`. It imports neither torch nor the rest of the package. It ends when its parent does.
-- `PdfPool` in the caller: up to `workers` such processes, started lazily and kept. Every answer has
-  `deadline_s` to come; a worker that misses it (or that a caller cancels, e.g. its client hung up) is
-  killed and replaced on the next call. A worker that dies (over its memory limit PDFium aborts) likewise.
+- the worker, `python -m ocr_latent.serving.workers pdf|image --memory-bytes N`: it caps its own address
+  space (RLIMIT_AS) before it imports PDFium or Pillow's decoders, then answers requests on stdin/stdout one
+  at a time. A `pdf` worker: `open` (a document; answers its page count), `render` (one page of it, as RGB
+  bytes at a given longest side), `close`. An `image` worker: `view` (an image file -> the encoder's view of
+  it, RGB bytes; serving/images.py). It imports neither torch nor the web framework. It ends when its parent
+  does.
+- `WorkerPool` in the caller: up to `workers` such processes, started lazily and kept. Every answer has
+  `deadline_s` to come, and a call may bring a deadline of its own (`until`: its request's); a worker that
+  misses either (or that a caller cancels, e.g. its client hung up) is killed and replaced on the next
+  call. A worker that dies (over its memory limit PDFium aborts) likewise.
 
-The pool knows nothing of page selection or HTTP: `serving.documents` says what to open and render and
-turns `RenderError` into its `DocumentError`. Messages are frames: two big-endian uint32 lengths, a JSON
-header of that length, then a payload of that length (the PDF's bytes, a page's RGB bytes).
+The pool knows nothing of page selection or HTTP: `serving.documents` says what to open, render and view,
+and turns `RenderError` into its `DocumentError`. Messages are frames: two big-endian uint32 lengths, a JSON
+header of that length, then a payload of that length (the file's bytes, a page's RGB bytes).
 """
 from __future__ import annotations
 
@@ -43,7 +47,12 @@ class RenderError(Exception):
 
 
 class Cancelled(Exception):
-    """The caller's cancel event was set while its worker rendered: the worker was killed."""
+    """The caller's cancel event was set while its worker worked: the worker was killed."""
+
+
+class OutOfTime(Exception):
+    """The caller's own deadline (`until`) passed while its worker worked, or before one was free: the
+    worker, if it had started, was killed."""
 
 
 # ----------------------------------------------------------------------------- frames
@@ -126,13 +135,30 @@ def open_pdf(data: bytes):
         raise RenderError(f"not a readable PDF: {e}", 415) from None
 
 
-def serve(requests, answers) -> None:
+def view_of(header: dict, data: bytes) -> tuple[dict, bytes]:
+    """An image file -> its view in `header["mode"]` (serving/images.py), RGB bytes; DocumentError as RenderError."""
+    from ocr_latent.serving.images import TRIM_FROM_BYTES, DocumentError, page_view, trim_memory
+    try:
+        view, held = page_view(data, header["max_pixels"], header["mode"])
+    except DocumentError as e:
+        raise RenderError(str(e), e.status, e.type) from None
+    if held >= TRIM_FROM_BYTES:
+        trim_memory()  # what a large page freed goes back to the system now, not at this worker's next decode
+    return {"width": view.width, "height": view.height}, view.tobytes()
+
+
+def serve(requests, answers, kind: str = "pdf") -> None:
     """Answer frames from `requests` on `answers` until end of file."""
     pdf = None
     while (frame := read_frame(requests)) is not None:
         header, payload = frame
         try:
-            if header["op"] == "open":
+            if kind == "image":
+                if header["op"] != "view":
+                    raise RenderError(f"an image worker does not {header['op']}", 422)
+                meta, pixels = view_of(header, payload)
+                write_frame(answers, meta, pixels)
+            elif header["op"] == "open":
                 if pdf is not None:
                     pdf.close()
                     pdf = None
@@ -149,50 +175,78 @@ def serve(requests, answers) -> None:
         except RenderError as e:
             write_frame(answers, {"error": {"status": e.status, "type": e.type, "message": str(e)}})
         except MemoryError:
-            write_frame(answers, {"error": {"status": 413, "type": "document_too_complex",
-                                            "message": "the PDF is too complex: rendering it needs more memory "
-                                                       "than a render may use (PDF_MEMORY_BYTES)"}})
+            write_frame(answers, {"error": {"status": 413, "type": TOO_COSTLY[kind],
+                                            "message": MESSAGES[kind]["memory"]}})
         except Exception as e:  # noqa: BLE001 - a page PDFium cannot render is the document's fault
-            write_frame(answers, {"error": {"status": 422, "type": "invalid_document",
-                                            "message": f"the PDF could not be rendered ({type(e).__name__})"}})
+            what = "the PDF could not be rendered" if kind == "pdf" else "the image could not be decoded"
+            write_frame(answers, {"error": {"status": 422 if kind == "pdf" else 415, "type": "invalid_document" if
+                                            kind == "pdf" else "unsupported_media_type",
+                                            "message": f"{what} ({type(e).__name__})"}})
 
 
 def main(argv: list[str]) -> None:
     import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on the server's terminal: the server ends us
+    kind = argv[1]
     memory_bytes = int(argv[argv.index("--memory-bytes") + 1])
     limit_memory(memory_bytes)
     watch_parent()
     answers = os.fdopen(os.dup(1), "wb")  # frames only: whatever a library prints goes to stderr
     os.dup2(2, 1)
-    import PIL.Image  # noqa: F401 - imported now, within the limit, not first under a render's memory pressure
-    import pypdfium2  # noqa: F401
+    # imported now, within the limit, not first under a decode's memory pressure
+    if kind == "pdf":
+        import pypdfium2  # noqa: F401
+    else:
+        import ocr_latent.serving.images  # noqa: F401
+        from PIL import Image
+        Image.init()  # every decoder plugin, before the first file
     write_frame(answers, {"ready": True})
-    serve(sys.stdin.buffer, answers)
+    serve(sys.stdin.buffer, answers, kind)
 
 
 # ----------------------------------------------------------------------------- the caller's side
+TOO_COSTLY = {"pdf": "document_too_complex", "image": "image_too_complex"}
+MESSAGES = {
+    "pdf": {"start": "the PDF renderer could not be started; try again",
+            "deadline": "the PDF is too complex: a page took longer than {deadline:g} s to render (PDF_DEADLINE_S), so "
+                        "its rendering was stopped; send the page as an image instead, or a simpler PDF",
+            "memory": "the PDF is too complex: rendering it needs more memory than a render may use (PDF_MEMORY_BYTES)",
+            "died": "the PDF is too complex: rendering it needed more than the {mib} MiB a render may use "
+                    "(PDF_MEMORY_BYTES), or it crashed the renderer, so it was stopped; send the page as an image "
+                    "instead, or a simpler PDF"},
+    "image": {"start": "the image decoder could not be started; try again",
+              "deadline": "the image is too costly to decode: it took longer than {deadline:g} s (IMAGE_DEADLINE_S), "
+                          "so its decoding was stopped; send it as a baseline JPEG or a PNG",
+              "memory": "the image is too large to decode within the memory a decode may use "
+                        "(IMAGE_WORKER_MEMORY_BYTES)",
+              "died": "the image is too costly to decode: it needed more than the {mib} MiB a decode may use "
+                      "(IMAGE_WORKER_MEMORY_BYTES), or it crashed the decoder, so it was stopped; send it as a "
+                      "baseline JPEG or a PNG"},
+}
+
+
 @dataclass
 class Limits:
     workers: int = 2
     memory_bytes: int = 512 << 20
-    deadline_s: float = 10.0
+    deadline_s: float = 10.0  # for each answer
+    kind: str = "pdf"  # pdf | image
 
 
 class Worker:
-    """One worker process; `call` sends a frame and waits for the answer, within the deadline."""
+    """One worker process; `call` sends a frame and waits for the answer, within the deadlines."""
 
     def __init__(self, limits: Limits):
-        self.limits = limits
+        self.limits, self.messages = limits, MESSAGES[limits.kind]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ocr_latent.serving.pdf_worker", "--memory-bytes", str(limits.memory_bytes)],
+            [sys.executable, "-m", "ocr_latent.serving.workers", limits.kind, "--memory-bytes", str(limits.memory_bytes)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
         try:  # started and imported before the first deadline runs
             n_head, _ = FRAME.unpack(self._read(FRAME.size, time.monotonic() + STARTUP_S, None))
             self._read(n_head, time.monotonic() + STARTUP_S, None)
         except RenderError:
             self.kill()
-            raise RenderError("the PDF renderer could not be started; try again", 503, "unavailable") from None
+            raise RenderError(self.messages["start"], 503, "unavailable") from None
 
     @property
     def alive(self) -> bool:
@@ -205,52 +259,54 @@ class Worker:
         for stream in (self.proc.stdin, self.proc.stdout):
             stream.close()
 
-    def call(self, header: dict, payload: bytes = b"", cancel: threading.Event | None = None) -> tuple[dict, bytes]:
+    def call(self, header: dict, payload: bytes = b"", cancel: threading.Event | None = None,
+             until: float | None = None) -> tuple[dict, bytes]:
+        """The answer to one frame within `deadline_s` (else RenderError 413) and `until` (time.monotonic(),
+        else OutOfTime); setting `cancel` stops it (Cancelled). A worker stopped so is killed."""
         try:
             write_frame(self.proc.stdin, header, payload)
         except (BrokenPipeError, OSError):
             raise self._died() from None
         deadline = time.monotonic() + self.limits.deadline_s
-        lengths = self._read(FRAME.size, deadline, cancel)
+        lengths = self._read(FRAME.size, deadline, cancel, until)
         n_head, n_payload = FRAME.unpack(lengths)
-        answer = json.loads(self._read(n_head, deadline, cancel))
-        payload = self._read(n_payload, deadline, cancel) if n_payload else b""
+        answer = json.loads(self._read(n_head, deadline, cancel, until))
+        payload = self._read(n_payload, deadline, cancel, until) if n_payload else b""
         if "error" in answer:
             e = answer["error"]
             raise RenderError(e["message"], e["status"], e["type"])
         return answer, payload
 
-    def _read(self, n: int, deadline: float, cancel: threading.Event | None) -> bytes:
-        fd, chunks, left = self.proc.stdout.fileno(), [], n
+    def _read(self, n: int, deadline: float, cancel: threading.Event | None, until: float | None = None) -> bytes:
+        fd, left = self.proc.stdout.fileno(), n
+        buffer = bytearray(n)  # filled in place: a view of 3 MB is not held twice
         while left:
             if cancel is not None and cancel.is_set():
                 self.kill()
                 raise Cancelled()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            if until is not None and now >= until and until < deadline:
                 self.kill()
-                raise RenderError(
-                    f"the PDF is too complex: a page took longer than {self.limits.deadline_s:g} s to render "
-                    f"(PDF_DEADLINE_S), so its rendering was stopped; send the page as an image instead, or a "
-                    f"simpler PDF", 413, "document_too_complex")
-            ready, _, _ = select.select([fd], [], [], min(0.1, remaining))
+                raise OutOfTime()
+            if now >= deadline:
+                self.kill()
+                raise RenderError(self.messages["deadline"].format(deadline=self.limits.deadline_s), 413,
+                                  TOO_COSTLY[self.limits.kind])
+            ready, _, _ = select.select([fd], [], [], max(0.0, min(0.1, min(deadline, until or deadline) - now)))
             if ready:
-                chunk = os.read(fd, min(left, 1 << 20))
-                if not chunk:
+                got = os.readv(fd, [memoryview(buffer)[n - left:]])
+                if not got:
                     raise self._died()
-                chunks.append(chunk)
-                left -= len(chunk)
-        return b"".join(chunks)
+                left -= got
+        return bytes(buffer)
 
     def _died(self) -> RenderError:
         self.kill()
-        return RenderError(
-            f"the PDF is too complex: rendering it needed more than the {self.limits.memory_bytes // MIB} MiB a "
-            f"render may use (PDF_MEMORY_BYTES), or it crashed the renderer, so it was stopped; send the page as "
-            f"an image instead, or a simpler PDF", 413, "document_too_complex")
+        return RenderError(self.messages["died"].format(mib=self.limits.memory_bytes // MIB), 413,
+                           TOO_COSTLY[self.limits.kind])
 
 
-class PdfPool:
+class WorkerPool:
     """Up to `limits.workers` worker processes, each used by one caller at a time (`lease`)."""
 
     def __init__(self, limits: Limits):
@@ -259,8 +315,16 @@ class PdfPool:
         for _ in range(limits.workers):
             self.idle.put(None)  # a slot whose worker starts when it is first needed
 
-    def lease(self) -> "Lease":
-        return Lease(self)
+    def lease(self, cancel: threading.Event | None = None, until: float | None = None) -> "Lease":
+        """`with pool.lease() as worker:` one live worker; waiting for one ends with Cancelled when `cancel` is
+        set, with OutOfTime at `until`."""
+        return Lease(self, cancel, until)
+
+    def start(self) -> None:
+        """Start the workers now (a server's first requests then find them ready)."""
+        workers = [self.lease().__enter__() for _ in range(self.limits.workers)]
+        for worker in workers:
+            self.idle.put(worker)
 
     def close(self) -> None:
         """Kill the idle workers (those leased end when their callers return them to a closed pool)."""
@@ -274,13 +338,11 @@ class PdfPool:
 
 
 class Lease:
-    """`with pool.lease() as worker:` one live worker for the block; a killed one is replaced next time."""
-
-    def __init__(self, pool: PdfPool):
-        self.pool, self.worker = pool, None
+    def __init__(self, pool: WorkerPool, cancel: threading.Event | None = None, until: float | None = None):
+        self.pool, self.worker, self.cancel, self.until = pool, None, cancel, until
 
     def __enter__(self) -> Worker:
-        worker = self.pool.idle.get()
+        worker = self._wait()
         if worker is None or not worker.alive:
             if worker is not None:
                 worker.kill()
@@ -291,6 +353,17 @@ class Lease:
                 raise
         self.worker = worker
         return worker
+
+    def _wait(self) -> Worker | None:
+        while True:
+            if self.cancel is not None and self.cancel.is_set():
+                raise Cancelled()
+            if self.until is not None and time.monotonic() >= self.until:
+                raise OutOfTime()
+            try:
+                return self.pool.idle.get(timeout=0.1)
+            except queue.Empty:
+                continue
 
     def __exit__(self, *exc) -> None:
         self.pool.idle.put(self.worker if self.worker.alive else None)

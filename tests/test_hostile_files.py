@@ -9,6 +9,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -19,7 +21,10 @@ from PIL import Image, ImageDraw, ImageOps, PngImagePlugin
 from conftest import ROOT, assert_error, png_bytes, rss_bytes, serving
 from ocr_latent.examples.hostile import lying_jpeg, pdf
 from ocr_latent.client.codesfile import MEDIA_TYPE, CodesFile, pack
-from ocr_latent.serving.documents import decoded_bytes, open_image, probe_image
+from ocr_latent.serving.documents import (Cancelled, DocumentError, Limits, OutOfTime, WorkerPool, decoded_bytes,
+                                          image_view, open_image, probe_image)
+from ocr_latent.serving.images import jpeg_scans
+from ocr_latent.views import make_view
 from ocr_latent.serving.guard import DecodeBudget
 from ocr_latent.serving.http_errors import ApiError
 from ocr_latent.training.pages import test_pages
@@ -195,8 +200,8 @@ def test_the_decode_budget_takes_images_in_turn_and_refuses_with_retry_after():
         second = asyncio.create_task(take("b", 60, 0))
         await asyncio.sleep(0.01)
         assert budget.used == 60 and len(budget.waiting) == 1
-        with pytest.raises(ApiError) as refused:  # one already waits (MAX_QUEUE=1)
-            async with budget.hold(10):
+        with pytest.raises(ApiError) as refused:  # does not fit, and one already waits (MAX_QUEUE=1)
+            async with budget.hold(50):
                 pass
         assert refused.value.status == 503 and refused.value.headers == {"Retry-After": "3"}
         assert "IMAGE_MEMORY_BYTES" in refused.value.message
@@ -242,4 +247,90 @@ def test_large_images_decode_within_the_budget_and_their_memory_goes_back(tmp_pa
         assert len({tuple(r.json()["codes"]) for r in replies if r.status_code == 200}) == 1
         kept = rss_bytes(srv.proc.pid) - before
         print(f"server RSS after them: {kept >> 20:+d} MiB")
-        assert kept < 64 << 20, f"the server kept {kept >> 20} MiB after 4 large pages (see guard.trim_memory)"
+        assert kept < 64 << 20, f"the server kept {kept >> 20} MiB after 4 large pages (see images.trim_memory)"
+
+
+def test_the_decode_budget_lets_what_fits_go_ahead_but_not_for_ever():
+    """A small image that fits what is free goes ahead of a large one waiting for room; once the large one has
+    waited PATIENCE_S, turns go in order and the small ones wait behind it (it is not starved)."""
+    async def scenario():
+        budget, order = DecodeBudget(100, max_waiting=8, wait_s=5, retry_after_s=1), []
+        budget.PATIENCE_S = 0.3
+
+        async def take(name: str, nbytes: int, hold_s: float):
+            async with budget.hold(nbytes):
+                order.append(name)
+                await asyncio.sleep(hold_s)
+
+        holders = [asyncio.create_task(take(f"held{i}", 30, 0.6)) for i in range(2)]  # 60 of 100, for 0.6 s
+        await asyncio.sleep(0.01)
+        large = asyncio.create_task(take("large", 90, 0))
+        await asyncio.sleep(0.01)
+        small = asyncio.create_task(take("small", 20, 0))  # fits the 40 free: goes ahead of the large one
+        await asyncio.sleep(0.05)
+        assert order[-1] == "small" and "large" not in order
+        await asyncio.sleep(0.3)  # the large one has now waited longer than PATIENCE_S
+        late = asyncio.create_task(take("late", 20, 0))  # would fit, but waits its turn behind the large one
+        await asyncio.sleep(0.05)
+        assert "late" not in order and budget.waiting
+        await asyncio.gather(*holders, large, small, late)
+        assert order.index("large") < order.index("late") and budget.used == 0
+    asyncio.run(scenario())
+
+
+def scan_bomb(side: int = 2000, scans: int = 400) -> bytes:
+    """A progressive JPEG whose last scan is repeated: `scans` passes over a side x side page in a few KB."""
+    buf = io.BytesIO()
+    Image.new("L", (side, side), 255).save(buf, "JPEG", progressive=True, quality=90)
+    data = buf.getvalue()
+    last = data.rindex(b"\xff\xda")
+    end = data.rindex(b"\xff\xd9")
+    return data[:end] + data[last:end] * (scans - 1) + data[end:]
+
+
+def test_a_jpeg_of_too_many_scans_is_refused_from_its_markers_before_decoding():
+    bomb = scan_bomb(2000, 400)
+    assert 400 < jpeg_scans(bomb, 10 ** 6) < 410  # the encoder's own scans, and the repeated one
+    with pytest.raises(DocumentError) as refused:
+        probe_image(bomb, 40_000_000, "base")
+    assert refused.value.status == 413 and refused.value.type == "image_too_complex"
+    assert "scans" in str(refused.value)
+    progressive = png_bytes(Image.new("RGB", (300, 200), "white"), "JPEG", progressive=True)
+    assert jpeg_scans(progressive, 1000) == 10  # libjpeg's standard progressive script
+    probe_image(progressive, 40_000_000, "base")
+
+
+def test_image_workers_make_the_view_the_encoder_would_and_stop_what_overruns():
+    """The view a worker hands back is the one the encoder makes of the page decoded in process (so codes are
+    unchanged); a decode past IMAGE_DEADLINE_S, or whose caller cancels, has its worker killed."""
+    pages = test_pages(2, seed=2)
+    rotated = pages[1].image.rotate(90, expand=True)
+    exif = rotated.getexif()
+    exif[0x0112] = 6
+    files = [png_bytes(pages[0].image), png_bytes(pages[1].image.convert("P")),
+             png_bytes(rotated, "JPEG", exif=exif), png_bytes(large_page()), png_bytes(Image.new("L", (5000, 3000), 255), "JPEG")]
+    pool = WorkerPool(Limits(workers=1, memory_bytes=1 << 30, deadline_s=20, kind="image"))
+    try:
+        for data in files:
+            want = make_view(open_image(data, 40_000_000, "base"), "base")
+            assert np.array_equal(np.asarray(image_view(data, "base", 40_000_000, pool)), np.asarray(want))
+        with pytest.raises(DocumentError) as refused:
+            image_view(b"GIF89a not an image we read", "base", 40_000_000, pool)
+        assert refused.value.status == 415
+        slow = scan_bomb(6000, 90)  # under the scan limit, seconds to decode at 6000x6000
+        pool.limits.deadline_s = 0.3
+        with pytest.raises(DocumentError) as late:
+            image_view(slow, "base", 40_000_000, pool)
+        assert late.value.status == 413 and "IMAGE_DEADLINE_S" in str(late.value)
+        pool.limits.deadline_s = 20
+        cancel = threading.Event()
+        threading.Timer(0.3, cancel.set).start()
+        started = time.monotonic()
+        with pytest.raises(Cancelled):
+            image_view(slow, "base", 40_000_000, pool, cancel)
+        assert time.monotonic() - started < 2
+        with pytest.raises(OutOfTime):
+            image_view(slow, "base", 40_000_000, pool, until=time.monotonic() + 0.3)
+        assert image_view(files[0], "base", 40_000_000, pool).size == (1024, 1024)  # a fresh worker took over
+    finally:
+        pool.close()

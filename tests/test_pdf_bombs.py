@@ -2,7 +2,7 @@
 PDFs were rendered in worker processes, one held the server for 8-9 s and left it at 2.3 GB; now each is a
 413 (document_too_complex) within the render deadline, the server's own memory does not grow, /health and
 JSON requests do not wait behind it, ordinary PDFs still encode, and a client that hangs up has its render
-stopped (serving/pdf_worker.py)."""
+stopped (serving/workers.py)."""
 import contextlib
 import threading
 import time
@@ -31,7 +31,7 @@ def pdf_workers(pid: int) -> set[int]:
     for entry in Path("/proc").iterdir():
         try:
             if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid \
-                    and b"pdf_worker" in (entry / "cmdline").read_bytes():
+                    and b"ocr_latent.serving.workers\x00pdf" in (entry / "cmdline").read_bytes():
                 out.add(int(entry.name))
         except (OSError, IndexError, ValueError):
             continue  # it ended while we looked
