@@ -35,15 +35,15 @@ from pydantic import ValidationError
 from ocr_latent.architecture import NUM_CODES, PACKED_BYTES
 from ocr_latent.client.codesfile import MEDIA_TYPE as CODES_MEDIA_TYPE, CodesFile, CodesFileError, pack, unpack
 from ocr_latent.serving.bodies import b64decode, read_image_bytes, read_json, wait_disconnect
-from ocr_latent.serving.documents import (DocumentError, decode_image, decoded_bytes, looks_like_pdf, probe_image,
-                                          render_pdf, settings_limits)
+from ocr_latent.serving.documents import (DocumentError, OutOfTime, decoded_bytes, image_view,
+                                          looks_like_pdf, probe_image, render_pdf, settings_limits, view_bytes)
 from ocr_latent.serving.engine import DecodeResult, Engine, EngineConfig
 from ocr_latent.serving.errors import EngineError
-from ocr_latent.serving.guard import TRIM_FROM_BYTES, DecodeBudget, Guard, trim_memory
+from ocr_latent.serving.guard import STARTED, STATUS, DecodeBudget, Guard
 from ocr_latent.serving.http_errors import (ApiError, ClientGone, document_error, http_error, install_handlers,
                                             validation_message)
 from ocr_latent.serving.interface import EngineLike, JobLike
-from ocr_latent.serving.pdf_worker import PdfPool
+from ocr_latent.serving.workers import WorkerPool
 from ocr_latent.serving.schemas import (IGNORE_EOS_DOC, MAX_TOKENS, MIN_TOKENS_DOC, PAGES_PATTERN, SSE_EVENT_SCHEMA,
                                         DecodePagesResponse, DecodeRequest, DecodeResponse, EncodePagesResponse, EncodeRequest,
                                         EncodeResponse, ErrorResponse, HealthResponse, LoadingResponse, PageCodes, PageText,
@@ -78,10 +78,14 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
     async def lifespan(app: FastAPI):
         engine = (engine_factory or Engine)(config, metrics, on_fatal or exit_at_once).start()
         app.state.engine = engine
+        # the image workers start beside the model, so that the first uploads find them ready
+        workers = asyncio.get_running_loop().run_in_executor(app.state.image_threads, app.state.image_pool.start)
+        workers.add_done_callback(lambda f: f.cancelled() or f.exception())  # else the first upload starts them
         try:
             yield
         finally:
             app.state.pdf_pool.close()
+            app.state.image_pool.close()
             await asyncio.to_thread(engine.stop)
 
     # redirect_slashes off: "/decode/" is a 404, not a redirect built from the client's Host header
@@ -89,10 +93,14 @@ def create_app(settings: Settings | None = None, engine_factory: Callable[..., E
                   description="Document image -> 4096 four-bit codes -> page text (DeepSeek-OCR architecture).")
     app.state.settings, app.state.engine_config, app.state.metrics = s, config, metrics
     app.state.api_key = s.bearer_key()
-    # PDFs render in worker processes (serving/pdf_worker.py), waited for on threads of their own
-    app.state.pdf_pool = PdfPool(settings_limits(s))
-    app.state.pdf_threads = concurrent.futures.ThreadPoolExecutor(s.pdf_workers, thread_name_prefix="pdf")
-    # images decode within a budget of memory, judged from their headers (IMAGE_MEMORY_BYTES)
+    # PDFs render and images decode in worker processes (serving/workers.py), waited for on threads of their own
+    # (never the threads that parse JSON); PDFs beyond PDF_WORKERS + PDF_QUEUE are refused
+    app.state.pdf_pool = WorkerPool(settings_limits(s))
+    app.state.pdf_threads = concurrent.futures.ThreadPoolExecutor(s.pdf_workers + s.pdf_queue, thread_name_prefix="pdf")
+    app.state.pdfs = 0  # in the server's hands, rendering or waiting to
+    app.state.image_pool = WorkerPool(settings_limits(s, "image"))
+    app.state.image_threads = concurrent.futures.ThreadPoolExecutor(2 * s.image_workers, thread_name_prefix="image")
+    # pages hold memory within a budget from their decoding until the engine is done with them (IMAGE_MEMORY_BYTES)
     app.state.decode_budget = DecodeBudget(s.image_memory_bytes, s.max_queue, s.request_timeout_s, s.retry_after_s)
     install_handlers(app)
     app.include_router(router)
@@ -112,6 +120,37 @@ def engine_of(request: Request) -> EngineLike:
     return engine
 
 
+def request_deadline(request: Request) -> float:
+    """When the request must be answered by (time.monotonic()): REQUEST_TIMEOUT_S from the arrival of its head,
+    reading, decoding, rendering and queueing included."""
+    return request.scope.get(STARTED, time.monotonic()) + request.app.state.settings.request_timeout_s
+
+
+def retrieve(future: asyncio.Future) -> None:
+    """Done-callback of work nobody waits for any more: its exception is retrieved (no 'never retrieved' warning)."""
+    future.cancelled() or future.exception()
+
+
+async def unless_gone(request: Request, work: asyncio.Future, until: float | None, stop: Callable[[], None]):
+    """The one cancellation helper of the endpoints: `work`'s result, unless the client hangs up first
+    (ClientGone) or time.monotonic() reaches `until` (TimeoutError); either way `stop()` is called to stop
+    the work (a worker killed, jobs cancelled), and whatever it ends with is retrieved."""
+    gone = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        timeout = None if until is None else max(0.0, until - time.monotonic())
+        await asyncio.wait({work, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():  # the client left, the time is up, or this task was cancelled
+            stop()
+            work.add_done_callback(retrieve)
+    if work.done():
+        return work.result()
+    if gone.done():
+        raise ClientGone()
+    raise TimeoutError()
+
+
 async def run_jobs(request: Request, engine: EngineLike, submits: list[Callable[[], JobLike]]) -> list[Any]:
     """Submit jobs (each `submit` one of the engine's submitting calls) and wait for all of them, for
     the client (a hang-up cancels them) and for their deadline. One refused job refuses the request."""
@@ -126,68 +165,72 @@ async def run_jobs(request: Request, engine: EngineLike, submits: list[Callable[
             raise http_error(e) from None
         raise ApiError(422, "invalid_request", str(e)) from None  # e.g. a prompt the model cannot spell
     results = [asyncio.wrap_future(job.future) for job in jobs]
-    gone = asyncio.ensure_future(wait_disconnect(request))
+
+    async def all_done():  # the first failure fails the request as a whole
+        for result in asyncio.as_completed(results):
+            await result
     try:
-        pending, deadline = set(results), max(job.deadline for job in jobs)
-        while pending and not gone.done():
-            done, pending = await asyncio.wait(pending | {gone}, timeout=max(0.0, deadline - time.monotonic()),
-                                               return_when=asyncio.FIRST_COMPLETED)
-            pending.discard(gone)
-            if not done or any(f is not gone and f.exception() is not None for f in done):
-                break  # timed out, or one failed: the request fails as a whole
+        await unless_gone(request, asyncio.ensure_future(all_done()), max(job.deadline for job in jobs),
+                          lambda: None)
+    except TimeoutError:
+        raise http_error(engine.deadline_error()) from None
+    except EngineError as e:
+        raise http_error(e) from None
     finally:
-        gone.cancel()
         for job, result in zip(jobs, results):
             if not result.done():  # timed out, client gone, a sibling failed, or this task cancelled
                 engine.cancel(job)
-                result.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning
-    for result in results:
-        if result.done() and result.exception() is not None:
-            e = result.exception()
-            raise http_error(e) if isinstance(e, EngineError) else e
-    if all(r.done() for r in results):
-        return [r.result() for r in results]
-    if gone.done():
-        raise ClientGone()
-    raise http_error(engine.deadline_error())
+                result.add_done_callback(retrieve)
+    return [r.result() for r in results]
 
 
-async def render_pages(request: Request, data: bytes, mode: str, pages: str | None, max_pages: int):
+async def render_pages(request: Request, data: bytes, mode: str, pages: str | None):
     """A PDF's pages from the app's PDF workers, waited for on the app's own threads (renders queued there
-    never hold the threads that parse JSON). A client that hangs up has its render stopped: its worker is
-    killed (and replaced on the next render), and no job reaches the engine."""
-    state, cancel = request.app.state, threading.Event()
-    work = asyncio.get_running_loop().run_in_executor(state.pdf_threads, functools.partial(
-        render_pdf, data, mode, pages, max_pages, cancel=cancel, pool=state.pdf_pool))
-    gone = asyncio.ensure_future(wait_disconnect(request))
+    never hold the threads that parse JSON). At most PDF_WORKERS + PDF_QUEUE PDFs are in the server's hands
+    (beyond: a 503); the render must end within the request's deadline (a 504) and within PDF_RENDER_BUDGET_S
+    (a 413): either way, or when the client hangs up, its worker is killed (and replaced on the next render),
+    and no job reaches the engine."""
+    state, s, cancel = request.app.state, request.app.state.settings, threading.Event()
+    if state.pdfs >= s.pdf_workers + s.pdf_queue:
+        raise ApiError(503, "overloaded", f"{state.pdfs} PDFs are being rendered or wait for a renderer (PDF_WORKERS + "
+                                          f"PDF_QUEUE); retry shortly", {"Retry-After": str(s.retry_after_s)})
+    deadline, budget = request_deadline(request), time.monotonic() + s.pdf_render_budget_s
+    until = min(deadline, budget)
+    state.pdfs += 1
     try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        work = asyncio.get_running_loop().run_in_executor(state.pdf_threads, functools.partial(
+            render_pdf, data, mode, pages, s.max_pages, cancel=cancel, pool=state.pdf_pool, until=until))
+        return await unless_gone(request, work, until + 1.0, cancel.set)
+    except (OutOfTime, TimeoutError):
+        cancel.set()
+        if budget < deadline:
+            raise ApiError(413, "document_too_complex", f"the PDF is too complex: its pages took longer than "
+                                                        f"{s.pdf_render_budget_s:g} s to render in all "
+                                                        f"(PDF_RENDER_BUDGET_S), so the rendering was stopped; send "
+                                                        f"fewer pages (pages=), or a simpler PDF") from None
+        raise http_error(request.app.state.engine.deadline_error()) from None
     finally:
-        gone.cancel()
-        if not work.done():  # the client left, or this task was cancelled
-            cancel.set()
-            work.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning
-    if not work.done():
-        raise ClientGone()
-    return work.result()
+        state.pdfs -= 1
 
 
-async def decode_within_budget(request: Request, data: bytes, mode: str) -> Image.Image:
-    """An uploaded image, decoded off the event loop once what decoding it holds (judged from its header)
-    fits the app's budget (IMAGE_MEMORY_BYTES; else it waits, or gets a 503); a page of four times the view
-    or more is reduced as it is decoded (documents.decode_image), so only a few full-size pages exist at once,
-    and what a large one freed goes back to the system before its share of the budget does."""
-    s = request.app.state.settings
-    image = await asyncio.to_thread(probe_image, data, s.max_image_pixels, mode)
-    nbytes = decoded_bytes(image, mode)
-
-    def decode():
-        page = decode_image(image, mode)
-        if nbytes >= TRIM_FROM_BYTES:
-            trim_memory()
-        return page
-    async with request.app.state.decode_budget.hold(nbytes):
-        return await asyncio.to_thread(decode)
+async def view_within_budget(request: Request, data: bytes, mode: str, stack: contextlib.AsyncExitStack):
+    """An uploaded image -> the encoder's view of it, made by an image worker (serving/workers.py: a deadline,
+    a memory limit, killed when the client leaves or the request's deadline passes) once what decoding it
+    holds (judged from its header) fits the app's budget (IMAGE_MEMORY_BYTES; else it waits, or gets a 503).
+    The budget is then held for the view alone, until the request ends (`stack`): until the engine is done."""
+    s, state, cancel = request.app.state.settings, request.app.state, threading.Event()
+    image = await asyncio.to_thread(probe_image, data, s.max_image_pixels, mode)  # its header: cheap, bounded
+    hold = await stack.enter_async_context(state.decode_budget.hold(decoded_bytes(image, mode)))
+    image.close()
+    until = request_deadline(request)
+    work = asyncio.get_running_loop().run_in_executor(state.image_threads, functools.partial(
+        image_view, data, mode, s.max_image_pixels, state.image_pool, cancel, until))
+    try:
+        view = await unless_gone(request, work, until + 1.0, cancel.set)
+    except (OutOfTime, TimeoutError):
+        raise http_error(request.app.state.engine.deadline_error()) from None
+    hold.shrink(view_bytes(mode))
+    return view
 
 
 def default_max_tokens(engine: EngineLike, prompt: str) -> int:
@@ -251,20 +294,22 @@ async def encode(request: Request,
     engine, s = engine_of(request), request.app.state.settings
     as_file = format == "olc" or format is None and CODES_MEDIA_TYPE in request.headers.get("accept", "")
     data = await read_image_bytes(request, s.max_body_bytes)
-    info, is_pdf, timeout_s = engine.info, looks_like_pdf(data), None
-    try:
-        if is_pdf:
-            rendered = await render_pages(request, data, info.mode, pages, s.max_pages)
-            numbers, images = [n for n, _ in rendered], [im for _, im in rendered]
-        else:
-            if pages is not None:
-                raise ApiError(422, "invalid_request", "pages= selects pages of a PDF; this is a single image")
-            started = time.monotonic()
-            numbers, images = [1], [await decode_within_budget(request, data, info.mode)]
-            timeout_s = max(0.001, s.request_timeout_s - (time.monotonic() - started))  # the wait counts
-    except DocumentError as e:
-        raise document_error(e) from None
-    codes = await run_jobs(request, engine, [lambda im=im: engine.encode(im, timeout_s) for im in images])
+    info, is_pdf = engine.info, looks_like_pdf(data)
+    async with contextlib.AsyncExitStack() as held:  # the pages' share of IMAGE_MEMORY_BYTES, until encoded
+        try:
+            if is_pdf:
+                rendered = await render_pages(request, data, info.mode, pages)
+                numbers, images = [n for n, _ in rendered], [im for _, im in rendered]
+                await held.enter_async_context(request.app.state.decode_budget.hold(len(images) * view_bytes(info.mode)))
+            else:
+                if pages is not None:
+                    raise ApiError(422, "invalid_request", "pages= selects pages of a PDF; this is a single image")
+                numbers, images = [1], [await view_within_budget(request, data, info.mode, held)]
+        except DocumentError as e:
+            raise document_error(e) from None
+        del data
+        timeout_s = max(0.001, request_deadline(request) - time.monotonic())  # the reading and the wait count
+        codes = await run_jobs(request, engine, [lambda im=im: engine.encode(im, timeout_s) for im in images])
     if as_file:
         return Response(CodesFile(info.quantizer_fingerprint, info.mode, codes).to_bytes(), media_type=CODES_MEDIA_TYPE)
     packed = [base64.b64encode(pack(c)).decode() for c in codes]
@@ -319,8 +364,8 @@ async def decode(request: Request,
                              req.min_tokens if req.min_tokens is not None else min_tokens,
                              req.ignore_eos if req.ignore_eos is not None else ignore_eos)
     if req.stream:
-        return stream_decode(engine, codes, prompt, lengths)
-    [result] = await run_jobs(request, engine, [lambda: engine.decode(codes, prompt, **lengths)])
+        return stream_decode(request, engine, codes, prompt, lengths)
+    [result] = await run_jobs(request, engine, [lambda: engine.decode(codes, prompt, **lengths, group=request)])
     return DecodeResponse(text=result.text, num_tokens=result.num_tokens, finish_reason=result.finish_reason,
                           prompt_tokens=result.prompt_tokens)
 
@@ -350,7 +395,9 @@ async def decode_file(request: Request, engine: EngineLike, data: bytes, prompt:
     if len(doc.pages) > max_pages:
         raise ApiError(413, "payload_too_large", f"the codes file holds {len(doc.pages)} pages; at most "
                                                  f"{max_pages} per request (MAX_PAGES)")
-    results = await run_jobs(request, engine, [lambda c=c: engine.decode(c, prompt, **lengths) for c in doc.pages])
+    # one group: the engine shares its slots between requests, not between pages (a 32-page file cannot take them all)
+    results = await run_jobs(request, engine, [lambda c=c: engine.decode(c, prompt, **lengths, group=request)
+                                               for c in doc.pages])
     return DecodePagesResponse(quantizer=doc.quantizer, pages=[
         PageText(page=i + 1, text=r.text, num_tokens=r.num_tokens, finish_reason=r.finish_reason,
                  prompt_tokens=r.prompt_tokens) for i, r in enumerate(results)])
@@ -360,12 +407,14 @@ def sse(name: str, data: dict) -> bytes:
     return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
 
 
-def stream_decode(engine: EngineLike, codes: np.ndarray, prompt: str, lengths: dict) -> StreamingResponse:
+def stream_decode(request: Request, engine: EngineLike, codes: np.ndarray, prompt: str,
+                  lengths: dict) -> StreamingResponse:
     """Server-sent events: `delta` {text} as the text grows, then `done` {text, num_tokens, prompt_tokens,
-    finish_reason} or `error` {error}. A client that leaves cancels the job. `lengths`: decode_lengths'."""
+    finish_reason} or `error` {error}. A client that leaves cancels the job, and the request is counted 499.
+    `lengths`: decode_lengths'."""
     feed = TextFeed()
     try:
-        job = engine.decode(codes, prompt, on_text=feed.on_text, **lengths)
+        job = engine.decode(codes, prompt, on_text=feed.on_text, **lengths, group=request)
     except EngineError as e:
         raise http_error(e) from None
     except ValueError as e:
@@ -388,7 +437,8 @@ def stream_decode(engine: EngineLike, codes: np.ndarray, prompt: str, lengths: d
         finally:
             if not job.future.done():  # the client left (or this server is stopping)
                 engine.cancel(job)
-            result.add_done_callback(lambda f: f.cancelled() or f.exception())
+                request.scope[STATUS] = 499
+            result.add_done_callback(retrieve)
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

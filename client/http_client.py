@@ -49,6 +49,10 @@ class ApiError(ClientError):
 
 class Client:
     def __init__(self, url: str = DEFAULT_URL, api_key: str | None = None, timeout: float = 600.0, retries: int = 5):
+        if api_key and not (api_key.isascii() and api_key.isprintable() and " " not in api_key):
+            raise ClientError("the API key (--api-key or OCR_LATENT_API_KEY) must be printable ASCII without spaces, "
+                              "as the server's API_KEY is: an HTTP header cannot carry this one; check that it was "
+                              "copied whole")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.url, self.retries = url.rstrip("/"), retries
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout, connect=10.0))

@@ -50,6 +50,15 @@ async def wait_disconnect(request: Request) -> None:
             return
 
 
+JSON_TYPES = ("application/json", "", "application/x-www-form-urlencoded")  # the last: what curl -d sends by default
+
+
+def looks_like_file(data: bytes) -> bool:
+    """Whether bytes begin as an image or a PDF that /encode reads (whatever Content-Type they came with)."""
+    from ocr_latent.serving.documents import IMAGE_SIGNATURES, looks_like_pdf
+    return data.startswith(IMAGE_SIGNATURES) or data[:4] == b"RIFF" and data[8:12] == b"WEBP" or looks_like_pdf(data)
+
+
 def parse_json(body: bytes) -> Any:
     """Bytes -> JSON, every failure a 400 (the parser recurses per nesting level, and int() refuses
     more than 4,300 digits)."""
@@ -87,8 +96,17 @@ async def read_image_bytes(request: Request, max_body_bytes: int) -> bytes:
         if not data:
             raise ApiError(415, "unsupported_media_type", "request body is empty")
         return data
-    # application/json, or anything else (e.g. curl -d's default form type) parsed as JSON
-    body = await read_json(request)
+    if ctype not in JSON_TYPES and not ctype.endswith("+json"):
+        data = await request.body()
+        if data.lstrip()[:1] not in (b"{", b"[") and data:  # not JSON: a file sent with another type, or nothing usable
+            if looks_like_file(data):
+                return data
+            raise ApiError(415, "unsupported_media_type", f"the body is {ctype} and neither an image, a PDF nor JSON: send "
+                                                          f"the file's bytes with its type (e.g. Content-Type: image/png), "
+                                                          f"as multipart field 'image', or JSON {{\"image\": base64}}")
+        body = await asyncio.to_thread(parse_json, data)
+    else:  # JSON, or curl -d's default form type
+        body = await read_json(request)
     try:
         req = EncodeRequest.model_validate(body)
     except ValidationError as e:

@@ -1,5 +1,5 @@
 """The uvicorn runner of server.py's app (`ocr-latent serve`, `python server.py`): logging, an h11
-protocol with a deadline on request heads, the open-file limit, draining on SIGTERM, and exit status 1
+protocol with deadlines on request heads and bodies and a cap on connections per client, the open-file limit, draining on SIGTERM, and exit status 1
 when the model cannot be loaded."""
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ from ocr_latent.serving.settings import settings as read_settings
 log = logging.getLogger("ocr_latent.server")
 
 
-def over_capacity_in_json(retry_after_s: int) -> None:
+def over_capacity_in_json(app, retry_after_s: int, metrics) -> None:
     """Beyond MAX_CONNECTIONS uvicorn answers every request itself, before the app, with a plain-text 503;
     its h11 protocol looks that answer up by name when it needs it, so the name is pointed at one in the
-    service's JSON error format, with Retry-After, like every other error."""
+    service's JSON error format, with Retry-After, like every other error, and counted in /metrics. /health
+    still goes to the app: a probe must not see a server that holds many connections as a dead one."""
     import json
 
     from uvicorn.protocols.http import h11_impl
@@ -26,6 +27,9 @@ def over_capacity_in_json(retry_after_s: int) -> None:
                                  "retry shortly"}}).encode()
 
     async def service_unavailable(scope, receive, send) -> None:
+        if scope.get("path") == "/health":
+            return await app(scope, receive, send)
+        metrics.connections_closed.labels("max_connections").inc()
         await send({"type": "http.response.start", "status": 503, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"retry-after", str(retry_after_s).encode()), (b"connection", b"close")]})
@@ -34,48 +38,110 @@ def over_capacity_in_json(retry_after_s: int) -> None:
     h11_impl.service_unavailable = service_unavailable
 
 
-def header_timeout_protocol(seconds: float):
-    """uvicorn's h11 protocol with a deadline on the request head: a connection that says nothing, or
-    trickles its headers, is closed after `seconds` instead of holding an open file for ever (uvicorn
-    only times out connections that are idle after a response)."""
+def refusal(status: int, type: str, message: str, retry_after_s: int | None = None) -> bytes:
+    """A whole HTTP/1.1 response in the service's JSON error format, for a connection closed right after it."""
+    import json
+    body = json.dumps({"error": {"type": type, "message": message}}).encode()
+    reason = {408: "Request Timeout", 503: "Service Unavailable"}[status]
+    retry = f"Retry-After: {retry_after_s}\r\n" if retry_after_s is not None else ""
+    return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"{retry}Connection: close\r\n\r\n").encode() + body
+
+
+def guarded_protocol(s, metrics):
+    """uvicorn's h11 protocol with what it lacks against slow or many clients (settings `s`):
+
+    - a deadline on the request head (HEADER_TIMEOUT_S): a connection that says nothing, or trickles its
+      headers, is closed instead of holding an open file for ever (uvicorn only times out connections that are
+      idle after a response);
+    - a deadline on the request body (BODY_TIMEOUT_S from the end of the head): a body that stops, or
+      trickles, has its connection answered 408 (if nothing was answered yet) and closed, and its request sees
+      the client gone, so what it held (its part of BODY_MEMORY_BYTES) is given back;
+    - at most MAX_CONNECTIONS_PER_CLIENT open connections from one client address: one more is answered 503
+      and closed at once, so one client cannot take the MAX_CONNECTIONS that all share.
+    Each of these is counted in ocr_latent_connections_closed_total."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
+    per_client: dict[str, int] = {}
+    busy = refusal(503, "overloaded", f"too many open connections from this address "
+                                      f"(MAX_CONNECTIONS_PER_CLIENT={s.max_connections_per_client}); reuse one, or "
+                                      f"retry shortly", s.retry_after_s)
+    slow = refusal(408, "request_timeout", f"the request body did not arrive within {s.body_timeout_s:g} s of its "
+                                           f"head (BODY_TIMEOUT_S); send it at once, or in less time")
 
-    class HeaderTimeoutH11(H11Protocol):
-        _head_timer = None
+    class GuardedH11(H11Protocol):
+        _timer = None
+        _client = None
+        _timed = None  # the request whose body the timer is for
 
-        def _arm(self) -> None:
+        def _arm(self, seconds: float, callback) -> None:
             self._disarm()
-            self._head_timer = self.loop.call_later(seconds, self._head_timed_out)
+            self._timer = self.loop.call_later(seconds, callback)
 
         def _disarm(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
 
         def _head_timed_out(self) -> None:
             in_request = self.cycle is not None and not self.cycle.response_complete
             if not in_request and not self.transport.is_closing():
+                metrics.connections_closed.labels("head_timeout").inc()
                 self.transport.close()
+
+        def _body_timed_out(self) -> None:
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete or not cycle.more_body or self.transport.is_closing():
+                return
+            from ocr_latent.serving.guard import STATUS
+            metrics.connections_closed.labels("body_timeout").inc()
+            cycle.scope[STATUS] = 408
+            if not cycle.response_started:
+                self.transport.write(slow)
+            cycle.disconnected = True  # what the app sends from now on goes nowhere
+            cycle.message_event.set()  # and its request, waiting for the rest of the body, sees the client gone
+            self.transport.close()
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self._arm()
+            peer = transport.get_extra_info("peername")
+            self._client = peer[0] if isinstance(peer, tuple) and peer else None
+            if self._client is not None:
+                per_client[self._client] = per_client.get(self._client, 0) + 1
+                if per_client[self._client] > s.max_connections_per_client:
+                    metrics.connections_closed.labels("per_client").inc()
+                    transport.write(busy)
+                    transport.close()
+                    return
+            self._arm(s.header_timeout_s, self._head_timed_out)
 
         def handle_events(self) -> None:
             super().handle_events()
-            if self.cycle is not None and not self.cycle.response_complete:
-                self._disarm()  # a whole head arrived: the request's own deadline governs from here
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_complete and cycle is not self._timed:
+                # a whole head arrived: its body has BODY_TIMEOUT_S from now (a request without a body is done)
+                self._timed = cycle
+                if cycle.more_body:
+                    self._arm(s.body_timeout_s, self._body_timed_out)
+                else:
+                    self._disarm()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
-                self._arm()  # the next head on this keep-alive connection
+                self._arm(s.header_timeout_s, self._head_timed_out)  # the next head on this keep-alive connection
 
         def connection_lost(self, exc) -> None:
             self._disarm()
+            if self._client is not None:
+                left = per_client.get(self._client, 1) - 1
+                if left > 0:
+                    per_client[self._client] = left
+                else:
+                    per_client.pop(self._client, None)
+                self._client = None
             super().connection_lost(exc)
 
-    return HeaderTimeoutH11
+    return GuardedH11
 
 
 def raise_open_file_limit() -> None:
@@ -118,14 +184,14 @@ def run(create_app: Callable[..., object]) -> int:
             super().handle_exit(sig, frame)
 
     raise_open_file_limit()
-    over_capacity_in_json(settings.retry_after_s)
+    over_capacity_in_json(app, settings.retry_after_s, app.state.metrics)
     if not app.state.api_key and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without an API key: anyone who can reach this port can use the model "
                     "(set API_KEY or API_KEY_FILE)", host)
     # log_config=None: uvicorn's own lines go through the handler above (request ids, JSON)
     config = uvicorn.Config(app, host=host, port=port, log_level=settings.log_level.lower(), log_config=None,
                             timeout_graceful_shutdown=int(drain) + 2, access_log=settings.access_log,
-                            http=header_timeout_protocol(settings.header_timeout_s),
+                            http=guarded_protocol(settings, app.state.metrics),
                             limit_concurrency=settings.max_connections)
     server = Server(config)
     # uvicorn raises the signal that stopped it again once it has shut down; with this handler in place

@@ -27,6 +27,9 @@ NUMBERS = {
     "encode_gpus": (float, 0), "decode_gpus": (float, 0), "ingress_cpus": (float, 0), "ray_num_cpus": (int, 1),
     "ray_object_store_bytes": (int, 80_000_000), "pdf_workers": (int, 1), "pdf_memory_bytes": (int, 64 << 20),
     "pdf_deadline_s": (float, 0.1), "test_load_delay_s": (float, 0), "test_step_delay_s": (float, 0),
+    "body_timeout_s": (float, 0.1), "body_memory_bytes": (int, 1 << 20), "max_connections_per_client": (int, 1),
+    "image_workers": (int, 1), "image_worker_memory_bytes": (int, 128 << 20), "image_deadline_s": (float, 0.1),
+    "pdf_queue": (int, 0), "pdf_render_budget_s": (float, 0.1),
 }
 FLAGS = ("compile",)  # 1/0, true/false, yes/no
 SWITCHES = ("access_log", "verify_pin")  # exactly "1" turns them on
@@ -70,12 +73,24 @@ class Settings(BaseSettings):
     max_pages: int = env("MAX_PAGES", 32)
     # what images being decoded at once may hold, judged from their headers (serving/guard.py DecodeBudget)
     image_memory_bytes: int = env("IMAGE_MEMORY_BYTES", 256 << 20)
+    # reading requests (serving/runner.py, serving/guard.py): the head's deadline, then the body's; bodies held at
+    # once; open connections in all and from one client address
     header_timeout_s: float = env("HEADER_TIMEOUT_S", 10.0)
+    body_timeout_s: float = env("BODY_TIMEOUT_S", 30.0)
+    body_memory_bytes: int = env("BODY_MEMORY_BYTES", 256 << 20)
     max_connections: int = env("MAX_CONNECTIONS", 1000)
-    # PDF rendering (serving/pdf_worker.py): worker processes, each's address space, each page's deadline
+    max_connections_per_client: int = env("MAX_CONNECTIONS_PER_CLIENT", 64)
+    # image decoding (serving/workers.py): worker processes, each's address space, each decode's deadline
+    image_workers: int = env("IMAGE_WORKERS", 2)
+    image_worker_memory_bytes: int = env("IMAGE_WORKER_MEMORY_BYTES", 1 << 30)
+    image_deadline_s: float = env("IMAGE_DEADLINE_S", 10.0)
+    # PDF rendering (serving/workers.py): worker processes, each's address space, each page's deadline; PDFs that
+    # may wait for a worker; what one request's pages may take to render in all
     pdf_workers: int = env("PDF_WORKERS", 2)
     pdf_memory_bytes: int = env("PDF_MEMORY_BYTES", 512 << 20)
     pdf_deadline_s: float = env("PDF_DEADLINE_S", 10.0)
+    pdf_queue: int = env("PDF_QUEUE", 4)
+    pdf_render_budget_s: float = env("PDF_RENDER_BUDGET_S", 60.0)
     # logs
     log_level: str = env("LOG_LEVEL", "info")
     access_log: bool = env("ACCESS_LOG", False)
@@ -134,16 +149,28 @@ class Settings(BaseSettings):
         return self.dtype or ("float32" if self.device == "cpu" else "bf16")
 
     def bearer_key(self) -> str | None:
-        """API_KEY, else the contents of API_KEY_FILE (an unreadable or empty file ends the program)."""
+        """API_KEY, else the contents of API_KEY_FILE (an unreadable or empty file, or a key that an HTTP
+        header cannot carry, ends the program)."""
         if self.api_key is not None or not self.api_key_file:
-            return self.api_key
+            return check_key(self.api_key, "API_KEY")
         try:
             key = open(self.api_key_file).read().strip() or None
-        except OSError as e:
+        except (OSError, UnicodeDecodeError) as e:
             raise SystemExit(f"API_KEY_FILE={self.api_key_file!r}: {e}") from None
         if key is None:
             raise SystemExit(f"API_KEY_FILE={self.api_key_file!r} is empty")
-        return key
+        return check_key(key, f"the key in API_KEY_FILE={self.api_key_file!r}")
+
+
+def check_key(key: str | None, what: str) -> str | None:
+    """An API key as a Bearer token carries it: printable ASCII without spaces (RFC 6750's token68 is
+    narrower still); anything else could never be sent in an Authorization header. SystemExit naming `what`."""
+    if key is not None and not (key.isascii() and key.isprintable() and " " not in key):
+        bad = next(c for c in key if not (c.isascii() and c.isprintable()) or c == " ")
+        raise SystemExit(f"{what} holds {'a space' if bad == ' ' else f'the character U+{ord(bad):04X}'}: an API key "
+                         f"must be printable ASCII without spaces (an HTTP header cannot carry it otherwise); "
+                         f"choose another key, e.g. from `python3 -c \"import secrets; print(secrets.token_urlsafe(32))\"`")
+    return key
 
 
 def read_settings() -> Settings:

@@ -23,12 +23,14 @@ class TextFeed:
         while not result.done():
             piece = asyncio.ensure_future(self.pieces.get())
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            done, _ = await asyncio.wait({piece, result}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                done, _ = await asyncio.wait({piece, result}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not piece.done():  # timed out, the job ended, or the client left while this waited
+                    piece.cancel()
             if piece in done:
                 yield piece.result()
-            else:
-                piece.cancel()
-                if not done:
-                    raise TimeoutError()
+            elif not done:
+                raise TimeoutError()
         while not self.pieces.empty():  # the last pieces are queued before the result is set
             yield self.pieces.get_nowait()

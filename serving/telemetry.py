@@ -40,6 +40,10 @@ class Metrics:
         self.finish = Counter("ocr_latent_decode_finished_total", "finished decodes by reason", ["reason"],
                               registry=r)
         self.dropped = Counter("ocr_latent_dropped_total", "requests dropped by the worker", ["reason"], registry=r)
+        self.connections_closed = Counter(
+            "ocr_latent_connections_closed_total", "connections the server refused or cut before a request was "
+            "answered: max_connections, per_client (MAX_CONNECTIONS_PER_CLIENT), head_timeout, body_timeout",
+            ["reason"], registry=r)
         self.ready = Gauge("ocr_latent_ready", "1 once the model is loaded and warmed up", registry=r)
         self._window: deque[tuple[float, int]] = deque()
 

@@ -541,14 +541,17 @@ def test_max_connections_refuses_requests_beyond_it(knobs):
     try:
         time.sleep(0.2)
         with httpx.Client(base_url=srv.url, timeout=10) as fresh:
-            r = fresh.get("/health")
+            r = fresh.post("/decode", json={"codes": [0] * NUM_CODES})
             assert assert_error(r, 503)["type"] == "overloaded" and r.headers["retry-after"] == "1"
+        with httpx.Client(base_url=srv.url, timeout=10) as probe:  # a probe still sees a live server
+            assert probe.get("/health").status_code == 200
     finally:
         for s in socks:
             s.close()
     time.sleep(0.2)
     with httpx.Client(base_url=srv.url, timeout=10) as fresh:
         assert fresh.get("/health").status_code == 200
+    assert metric(c, "ocr_latent_connections_closed_total", reason="max_connections") >= 1
 
 
 def test_json_logs_are_one_object_a_line_naming_the_request(knobs):
