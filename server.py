@@ -214,10 +214,11 @@ async def render_pages(request: Request, data: bytes, mode: str, pages: str | No
 
 
 async def view_within_budget(request: Request, data: bytes, mode: str, stack: contextlib.AsyncExitStack):
-    """An uploaded image -> the encoder's view of it, made by an image worker (serving/workers.py: a deadline,
-    a memory limit, killed when the client leaves or the request's deadline passes) once what decoding it
-    holds (judged from its header) fits the app's budget (IMAGE_MEMORY_BYTES; else it waits, or gets a 503).
-    The budget is then held for the view alone, until the request ends (`stack`): until the engine is done."""
+    """An uploaded image -> the page the encoder makes its view of (no larger than the view), decoded by an
+    image worker (serving/workers.py: a deadline, a memory limit, killed when the client leaves or the request's
+    deadline passes) once what decoding it holds (judged from its header) fits the app's budget
+    (IMAGE_MEMORY_BYTES; else it waits, or gets a 503). The budget is then held for that page alone, until the
+    request ends (`stack`): until the engine is done with it."""
     s, state, cancel = request.app.state.settings, request.app.state, threading.Event()
     image = await asyncio.to_thread(probe_image, data, s.max_image_pixels, mode)  # its header: cheap, bounded
     hold = await stack.enter_async_context(state.decode_budget.hold(decoded_bytes(image, mode)))
@@ -229,7 +230,7 @@ async def view_within_budget(request: Request, data: bytes, mode: str, stack: co
         view = await unless_gone(request, work, until + 1.0, cancel.set)
     except (OutOfTime, TimeoutError):
         raise http_error(request.app.state.engine.deadline_error()) from None
-    hold.shrink(view_bytes(mode))
+    hold.shrink(view.width * view.height * 4)
     return view
 
 

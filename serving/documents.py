@@ -73,15 +73,16 @@ def settings_limits(s=None, kind: str = "pdf") -> Limits:
 
 def image_view(data: bytes, mode: str, max_pixels: int, pool: WorkerPool, cancel: threading.Event | None = None,
                until: float | None = None) -> Image.Image:
-    """An image file -> the encoder's view of it in `mode` (RGB), decoded by one of `pool`'s image workers
-    within its limits: a DocumentError for what it refuses or what is over them; `cancel` and `until` as
-    `render_pdf`'s."""
+    """An image file -> the page the encoder makes its view in `mode` of (RGB, upright, no larger than the view:
+    images.page_for_encoder), decoded by one of `pool`'s image workers within its limits: a DocumentError for
+    what it refuses or what is over them; `cancel` and `until` as `render_pdf`'s."""
     size = MODES[mode][0]
     with pool.lease(cancel, until) as worker, _as_document_error():
         meta, pixels = worker.call({"op": "view", "max_pixels": max_pixels, "mode": mode}, data, cancel, until)
-    if (meta["width"], meta["height"]) != (size, size) or len(pixels) != size * size * 3:
-        raise RenderError(f"the image decoder answered a {meta['width']}x{meta['height']} view", 503, "unavailable")
-    return Image.frombytes("RGB", (size, size), pixels)
+    width, height = meta["width"], meta["height"]
+    if width * height > size * size or len(pixels) != width * height * 3:
+        raise RenderError(f"the image decoder answered a {width}x{height} page", 503, "unavailable")
+    return Image.frombytes("RGB", (width, height), pixels)
 
 
 def pdf_pool() -> WorkerPool:

@@ -2,7 +2,7 @@
 
 An upload is judged from its header before any pixel is decoded (`probe_image`: format, pixel count, a
 JPEG's length and number of scans against what it claims), then decoded, a large page reduced as it is
-(`decode_image`), and made into the encoder's view (`page_view`). `decoded_bytes` says, from the header,
+(`decode_image`), and made no larger than the encoder's view (`page_for_encoder`). `decoded_bytes` says, from the header,
 what decoding it will hold. Every failure is a DocumentError with the status the HTTP face answers.
 """
 from __future__ import annotations
@@ -192,12 +192,16 @@ def decode_image(image: Image.Image, mode: str | None = None) -> Image.Image:
         raise DocumentError(f"could not decode the image: {plain(e)}", 415) from None
 
 
-def page_view(data: bytes, max_pixels: int, mode: str) -> tuple[Image.Image, int]:
-    """An image file -> (the encoder's view of it in `mode`, what decoding it held at most, bytes): the
-    view that `encoder.make_view` would make of `open_image`'s page, made where the file is decoded."""
+def page_for_encoder(data: bytes, max_pixels: int, mode: str) -> tuple[Image.Image, int]:
+    """An image file -> (what the encoder makes its view of, what decoding it held at most, bytes): the page
+    as `open_image` decodes it when it has no more pixels than the view, else the view itself (the very view
+    `views.make_view` would make of that page: making it again is exact). Either way at most a view's pixels
+    leave the worker, and the encoder's view of it is the one it would make of the page decoded in process."""
     image = probe_image(data, max_pixels, mode)
     held = decoded_bytes(image, mode)
     page = decode_image(image, mode)
+    if page.width * page.height <= MODES[mode][0] ** 2:
+        return page, held
     try:
         return make_view(page, mode), held
     except MemoryError:
@@ -205,7 +209,8 @@ def page_view(data: bytes, max_pixels: int, mode: str) -> tuple[Image.Image, int
 
 
 def view_bytes(mode: str) -> int:
-    """What a view in `mode` holds: size x size RGB, as Pillow stores it (4 bytes a pixel)."""
+    """What a view in `mode` holds: size x size RGB, as Pillow stores it (4 bytes a pixel); the most a page
+    from `page_for_encoder` holds."""
     return MODES[mode][0] ** 2 * 4
 
 

@@ -136,10 +136,11 @@ def open_pdf(data: bytes):
 
 
 def view_of(header: dict, data: bytes) -> tuple[dict, bytes]:
-    """An image file -> its view in `header["mode"]` (serving/images.py), RGB bytes; DocumentError as RenderError."""
-    from ocr_latent.serving.images import TRIM_FROM_BYTES, DocumentError, page_view, trim_memory
+    """An image file -> the page, no larger than its view in `header["mode"]` (images.page_for_encoder), RGB
+    bytes; DocumentError as RenderError."""
+    from ocr_latent.serving.images import TRIM_FROM_BYTES, DocumentError, page_for_encoder, trim_memory
     try:
-        view, held = page_view(data, header["max_pixels"], header["mode"])
+        view, held = page_for_encoder(data, header["max_pixels"], header["mode"])
     except DocumentError as e:
         raise RenderError(str(e), e.status, e.type) from None
     if held >= TRIM_FROM_BYTES:
@@ -277,7 +278,7 @@ class Worker:
             raise RenderError(e["message"], e["status"], e["type"])
         return answer, payload
 
-    def _read(self, n: int, deadline: float, cancel: threading.Event | None, until: float | None = None) -> bytes:
+    def _read(self, n: int, deadline: float, cancel: threading.Event | None, until: float | None = None) -> bytearray:
         fd, left = self.proc.stdout.fileno(), n
         buffer = bytearray(n)  # filled in place: a view of 3 MB is not held twice
         while left:
@@ -298,7 +299,7 @@ class Worker:
                 if not got:
                     raise self._died()
                 left -= got
-        return bytes(buffer)
+        return buffer
 
     def _died(self) -> RenderError:
         self.kill()

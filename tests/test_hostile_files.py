@@ -301,8 +301,9 @@ def test_a_jpeg_of_too_many_scans_is_refused_from_its_markers_before_decoding():
 
 
 def test_image_workers_make_the_view_the_encoder_would_and_stop_what_overruns():
-    """The view a worker hands back is the one the encoder makes of the page decoded in process (so codes are
-    unchanged); a decode past IMAGE_DEADLINE_S, or whose caller cancels, has its worker killed."""
+    """The encoder's view of what a worker hands back (the page, or its view when the page is larger) is the one
+    it makes of the page decoded in process (so codes are unchanged), and no more than a view's pixels come
+    back; a decode past IMAGE_DEADLINE_S, or whose caller cancels, has its worker killed."""
     pages = test_pages(2, seed=2)
     rotated = pages[1].image.rotate(90, expand=True)
     exif = rotated.getexif()
@@ -313,7 +314,9 @@ def test_image_workers_make_the_view_the_encoder_would_and_stop_what_overruns():
     try:
         for data in files:
             want = make_view(open_image(data, 40_000_000, "base"), "base")
-            assert np.array_equal(np.asarray(image_view(data, "base", 40_000_000, pool)), np.asarray(want))
+            page = image_view(data, "base", 40_000_000, pool)
+            assert page.width * page.height <= 1024 * 1024
+            assert np.array_equal(np.asarray(make_view(page, "base")), np.asarray(want))
         with pytest.raises(DocumentError) as refused:
             image_view(b"GIF89a not an image we read", "base", 40_000_000, pool)
         assert refused.value.status == 415
@@ -331,6 +334,6 @@ def test_image_workers_make_the_view_the_encoder_would_and_stop_what_overruns():
         assert time.monotonic() - started < 2
         with pytest.raises(OutOfTime):
             image_view(slow, "base", 40_000_000, pool, until=time.monotonic() + 0.3)
-        assert image_view(files[0], "base", 40_000_000, pool).size == (1024, 1024)  # a fresh worker took over
+        assert image_view(files[3], "base", 40_000_000, pool).size == (1024, 1024)  # a fresh worker took over
     finally:
         pool.close()
