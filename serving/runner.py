@@ -57,14 +57,30 @@ def guarded_protocol(s, metrics):
     - a deadline on the request body (BODY_TIMEOUT_S from the end of the head): a body that stops, or
       trickles, has its connection answered 408 (if nothing was answered yet) and closed, and its request sees
       the client gone, so what it held (its part of BODY_MEMORY_BYTES) is given back;
-    - at most MAX_CONNECTIONS_PER_CLIENT open connections from one client address: one more is answered 503
-      and closed at once, so one client cannot take the MAX_CONNECTIONS that all share.
+    - at most MAX_CONNECTIONS_PER_CLIENT open connections from one client address: a request on one more is
+      answered 503 and its connection closed (a silent one goes at HEADER_TIMEOUT_S), so one client cannot
+      hold the MAX_CONNECTIONS that all share; /health still answers on it.
     Each of these is counted in ocr_latent_connections_closed_total."""
+    import json
+
     from uvicorn.protocols.http.h11_impl import H11Protocol
     per_client: dict[str, int] = {}
-    busy = refusal(503, "overloaded", f"too many open connections from this address "
-                                      f"(MAX_CONNECTIONS_PER_CLIENT={s.max_connections_per_client}); reuse one, or "
-                                      f"retry shortly", s.retry_after_s)
+    busy = json.dumps({"error": {"type": "overloaded", "message": f"too many open connections from this address "
+                                 f"(MAX_CONNECTIONS_PER_CLIENT={s.max_connections_per_client}); reuse one, or retry "
+                                 f"shortly"}}).encode()
+
+    def over_cap(app):
+        """The app as a connection beyond its client's share sees it: /health answers (a probe from a busy
+        address must not see a dead server), anything else gets a 503 and the connection is closed."""
+        async def refuse(scope, receive, send) -> None:
+            if scope.get("path") == "/health":
+                return await app(scope, receive, send)
+            metrics.connections_closed.labels("per_client").inc()
+            await send({"type": "http.response.start", "status": 503, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(busy)).encode()),
+                (b"retry-after", str(s.retry_after_s).encode()), (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": busy, "more_body": False})
+        return refuse
     slow = refusal(408, "request_timeout", f"the request body did not arrive within {s.body_timeout_s:g} s of its "
                                            f"head (BODY_TIMEOUT_S); send it at once, or in less time")
 
@@ -108,10 +124,7 @@ def guarded_protocol(s, metrics):
             if self._client is not None:
                 per_client[self._client] = per_client.get(self._client, 0) + 1
                 if per_client[self._client] > s.max_connections_per_client:
-                    metrics.connections_closed.labels("per_client").inc()
-                    transport.write(busy)
-                    transport.close()
-                    return
+                    self.app = over_cap(self.app)  # its requests are refused as they come (this one's only)
             self._arm(s.header_timeout_s, self._head_timed_out)
 
         def handle_events(self) -> None:

@@ -54,10 +54,14 @@ def test_connections_beyond_the_per_client_cap_are_refused_and_others_are_served
     held = [connect(server, "127.0.0.2") for _ in range(PER_CLIENT)]
     try:
         time.sleep(0.2)
+        probe = connect(server, "127.0.0.2")  # a probe from the busy address is still answered
+        probe.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert read_all(probe).startswith(b"HTTP/1.1 200")
         extra = connect(server, "127.0.0.2")
-        answer = read_all(extra)  # answered and closed at once, before it sent anything
+        extra.sendall(b"POST /decode HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+        answer = read_all(extra)  # answered and closed
         head, _, body = answer.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in head, answer
+        assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower(), answer
         assert "MAX_CONNECTIONS_PER_CLIENT" in json.loads(body)["error"]["message"]
         assert client.get("/health").status_code == 200  # another address is served meanwhile
     finally:
