@@ -38,14 +38,12 @@ def over_capacity_in_json(app, retry_after_s: int, metrics) -> None:
     h11_impl.service_unavailable = service_unavailable
 
 
-def refusal(status: int, type: str, message: str, retry_after_s: int | None = None) -> bytes:
-    """A whole HTTP/1.1 response in the service's JSON error format, for a connection closed right after it."""
+def request_timeout_response(message: str) -> bytes:
+    """A whole HTTP/1.1 408 in the service's JSON error format, for a connection closed right after it."""
     import json
-    body = json.dumps({"error": {"type": type, "message": message}}).encode()
-    reason = {408: "Request Timeout", 503: "Service Unavailable"}[status]
-    retry = f"Retry-After: {retry_after_s}\r\n" if retry_after_s is not None else ""
-    return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            f"{retry}Connection: close\r\n\r\n").encode() + body
+    body = json.dumps({"error": {"type": "request_timeout", "message": message}}).encode()
+    return (f"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"Connection: close\r\n\r\n").encode() + body
 
 
 def guarded_protocol(s, metrics):
@@ -81,8 +79,8 @@ def guarded_protocol(s, metrics):
                 (b"retry-after", str(s.retry_after_s).encode()), (b"connection", b"close")]})
             await send({"type": "http.response.body", "body": busy, "more_body": False})
         return refuse
-    slow = refusal(408, "request_timeout", f"the request body did not arrive within {s.body_timeout_s:g} s of its "
-                                           f"head (BODY_TIMEOUT_S); send it at once, or in less time")
+    slow = request_timeout_response(f"the request body did not arrive within {s.body_timeout_s:g} s of its head "
+                                    f"(BODY_TIMEOUT_S); send it at once, or in less time")
 
     class GuardedH11(H11Protocol):
         _timer = None
