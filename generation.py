@@ -102,6 +102,7 @@ class Sequence:
     min_tokens: int = 0  # EOS and the loop detector cannot end it before it has this many tokens
     ignore_eos: bool = False  # nor ever: it ends at max_tokens
     pending: int = 0  # 1 while a launched step's token for it is not read back yet (Generator's overlap)
+    prompt_len: int = 0  # positions of its prompt: its tokens' log-probabilities start at prompt_len - 1
 
     def wants_step(self) -> bool:
         """Whether a step must still give it a token: not finished, and below max_tokens counting the token of
@@ -111,6 +112,13 @@ class Sequence:
     def holds_eos(self) -> bool:
         """Whether EOS is masked for its next token (it has fewer than min_tokens, or ignores EOS)."""
         return self.ignore_eos or len(self.tokens) < self.min_tokens
+
+
+def chosen_logprobs(logits: Tensor, chosen: Tensor) -> Tensor:
+    """log softmax(logits)[chosen] per row, in float32 (the distribution the tokens were chosen from: bans and
+    masks included)."""
+    logits = logits.float()
+    return logits.gather(1, chosen[:, None])[:, 0] - torch.logsumexp(logits, -1)
 
 
 class Generator:
@@ -165,6 +173,10 @@ class Generator:
         # min_tokens and ignore_eos: each slot's position from which its next token may be EOS (0: any), so
         # that a step masks EOS per row without the host (pos never exceeds slot_tokens - 1)
         self.eos_from = torch.zeros(slots, dtype=torch.long, device=dev)
+        # the log-probability of each chosen token, kept on the device at the position that chose it (read once a
+        # sequence ends, or when a caller asks: `token_logprobs`), so a step costs no extra read to the host
+        self.logprobs = torch.zeros(slots, self.slot_tokens, dtype=torch.float32, device=dev)
+        self._rows = torch.arange(slots, device=dev)
         self.masks_eos = 0 <= eos_id < decoder.cfg.vocab_size  # tests run without an EOS (-1)
         cuda = dev.type == "cuda"
         self.device_rule = cuda if device_rule is None else device_rule
@@ -244,18 +256,21 @@ class Generator:
         held = [i for i, (least, ignore) in enumerate(zip(min_tokens, ignore_eos)) if ignore or least > 0]
         if held and self.masks_eos:
             logits[held, self.eos_id] = float("-inf")
-        best = logits.argmax(-1).tolist()
+        chosen = logits.argmax(-1)
+        index = torch.tensor(slots, device=self.tokens.device)
+        last = torch.tensor([x.shape[0] - 1 for x in inputs], device=self.tokens.device)
+        self.logprobs[index, last] = chosen_logprobs(logits, chosen)
+        best = chosen.tolist()
         seqs = []
         for slot, x, limit, least, ignore, row, token in zip(slots, inputs, max_tokens, min_tokens, ignore_eos,
                                                               logits, best):
             # the last token is chosen, never written: a slot holds prompt + max_tokens - 1 positions
             seq = Sequence(self._next_id, slot, min(limit, self.slot_tokens - x.shape[0]), [],
-                           min_tokens=least, ignore_eos=ignore)
+                           min_tokens=least, ignore_eos=ignore, prompt_len=x.shape[0])
             self._next_id += 1
             self.active[slot], self.positions[slot] = seq, x.shape[0]
             self._choose(seq, token, row)
             seqs.append(seq)
-        index = torch.tensor(slots, device=self.tokens.device)
         self.tokens[index] = torch.tensor([s.tokens[-1] for s in seqs], device=self.tokens.device)
         if self.recent is not None:
             self.recent[index] = -1
@@ -282,10 +297,17 @@ class Generator:
             self.cache.move(last, hole, self.positions[hole])
             self.tokens[hole], self.pos[hole] = self.tokens[last], self.pos[last]  # device to device
             self.eos_from[hole] = self.eos_from[last]
+            self.logprobs[hole] = self.logprobs[last]
             if self.recent is not None:
                 self.recent[hole] = self.recent[last]
             moved.slot, self.active[hole], hole = hole, moved, last
         self.free.append(hole)
+
+    @torch.inference_mode()
+    def token_logprobs(self, seq: Sequence) -> list[float]:
+        """The log-probability of each of `seq`'s tokens as it was chosen (one read from the device)."""
+        start = seq.prompt_len - 1
+        return self.logprobs[seq.slot, start:start + len(seq.tokens)].tolist()
 
     def shape(self, rows: int, length: int) -> tuple[int, int]:
         """(B, L) of a step over slots 0..rows-1 whose longest sequence attends over `length` positions."""
@@ -421,6 +443,7 @@ class Generator:
         """A step of rows 0..B-1, and their next inputs set on the device: the best allowed tokens (without
         `device_rule` the host overrides a row whose best is banned) at the next positions."""
         logits, best = self._compute(B, L, hold_eos)
+        self.logprobs[self._rows[:B], self.pos[:B]] = chosen_logprobs(logits, best)
         self.tokens[:B] = best
         if self.recent is not None:
             self.recent[:B] = torch.cat([self.recent[:B, 1:], best[:, None]], 1)
@@ -455,6 +478,7 @@ class Generator:
             row[list(banned)] = float("-inf")
             token = int(row.argmax())
             self.tokens[seq.slot] = token
+            self.logprobs[seq.slot, self.positions[seq.slot] - 1] = chosen_logprobs(row[None], row.argmax()[None])[0]
         held = seq.holds_eos()  # EOS was masked for this token (so it is not EOS where an EOS exists)
         seq.tokens.append(token)
         loops = self.rule is not None and not seq.ignore_eos  # the loop detector may end it

@@ -44,7 +44,7 @@ from ocr_latent.serving.http_errors import (ApiError, ClientGone, document_error
                                             validation_message)
 from ocr_latent.serving.interface import EngineLike, JobLike
 from ocr_latent.serving.workers import WorkerPool
-from ocr_latent.serving.schemas import (IGNORE_EOS_DOC, MAX_TOKENS, MIN_TOKENS_DOC, PAGES_PATTERN, SSE_EVENT_SCHEMA,
+from ocr_latent.serving.schemas import (IGNORE_EOS_DOC, MAX_TOKENS, MIN_CONFIDENCE_DOC, MIN_TOKENS_DOC, PAGES_PATTERN, SSE_EVENT_SCHEMA,
                                         DecodePagesResponse, DecodeRequest, DecodeResponse, EncodePagesResponse, EncodeRequest,
                                         EncodeResponse, ErrorResponse, HealthResponse, LoadingResponse, PageCodes, PageText,
                                         decode_request_schema)
@@ -151,10 +151,12 @@ async def unless_gone(request: Request, work: asyncio.Future, until: float | Non
     raise TimeoutError()
 
 
-async def run_jobs(request: Request, engine: EngineLike, submits: list[Callable[[], JobLike]]) -> list[Any]:
+async def run_jobs(request: Request, engine: EngineLike, submits: list[Callable[[], JobLike]],
+                   jobs: list[JobLike] | None = None) -> list[Any]:
     """Submit jobs (each `submit` one of the engine's submitting calls) and wait for all of them, for
-    the client (a hang-up cancels them) and for their deadline. One refused job refuses the request."""
-    jobs: list[JobLike] = []
+    the client (a hang-up cancels them) and for their deadline. One refused job refuses the request.
+    `jobs`: a list to hold the jobs (what they tell beside their results, e.g. an encode's fidelity)."""
+    jobs = [] if jobs is None else jobs
     try:
         for submit in submits:
             jobs.append(submit())
@@ -310,15 +312,20 @@ async def encode(request: Request,
             raise document_error(e) from None
         del data
         timeout_s = max(0.001, request_deadline(request) - time.monotonic())  # the reading and the wait count
-        codes = await run_jobs(request, engine, [lambda im=im: engine.encode(im, timeout_s) for im in images])
-    if as_file:
-        return Response(CodesFile(info.quantizer_fingerprint, info.mode, codes).to_bytes(), media_type=CODES_MEDIA_TYPE)
+        jobs: list[JobLike] = []
+        codes = await run_jobs(request, engine, [lambda im=im: engine.encode(im, timeout_s) for im in images], jobs)
+    fidelity = [getattr(job, "fidelity", None) for job in jobs]
+    if as_file:  # the fidelity of each page rides in a header: the codes file's format stays as it is
+        fidelities = {"X-Fidelity": ",".join(f"{f:.4f}" for f in fidelity)} if None not in fidelity else {}
+        return Response(CodesFile(info.quantizer_fingerprint, info.mode, codes).to_bytes(), media_type=CODES_MEDIA_TYPE,
+                        headers=fidelities)
     packed = [base64.b64encode(pack(c)).decode() for c in codes]
     if is_pdf:
-        return EncodePagesResponse(pages=[PageCodes(page=n, codes=c.tolist(), codes_b64=b)
-                                          for n, c, b in zip(numbers, codes, packed)],
+        return EncodePagesResponse(pages=[PageCodes(page=n, codes=c.tolist(), codes_b64=b, fidelity=f)
+                                          for n, c, b, f in zip(numbers, codes, packed, fidelity)],
                                    quantizer=info.quantizer_fingerprint, mode=info.mode)
-    return EncodeResponse(codes=codes[0].tolist(), codes_b64=packed[0], quantizer=info.quantizer_fingerprint, mode=info.mode)
+    return EncodeResponse(codes=codes[0].tolist(), codes_b64=packed[0], quantizer=info.quantizer_fingerprint,
+                          mode=info.mode, fidelity=fidelity[0])
 
 
 # ----------------------------------------------------------------------------- /decode
@@ -337,14 +344,15 @@ async def decode(request: Request,
                  prompt: Literal["free", "markdown"] = Query("free", description="as the JSON field prompt"),
                  max_tokens: int | None = Query(None, ge=1, le=MAX_TOKENS, description="as the JSON field max_tokens"),
                  min_tokens: int | None = Query(None, ge=0, le=MAX_TOKENS, description=MIN_TOKENS_DOC),
-                 ignore_eos: bool = Query(False, description=IGNORE_EOS_DOC)):
+                 ignore_eos: bool = Query(False, description=IGNORE_EOS_DOC),
+                 min_confidence: float | None = Query(None, ge=0, le=1, description=MIN_CONFIDENCE_DOC)):
     """Codes -> the page's text, greedy. JSON with `codes` or `codes_b64` (one page; `stream` for
     server-sent events), or a codes file as the raw body (every page; refused with a 409 when another
     quantizer made it)."""
     engine = engine_of(request)
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype in (CODES_MEDIA_TYPE, "application/octet-stream"):
-        lengths = decode_lengths(engine, prompt, max_tokens, min_tokens, ignore_eos)
+        lengths = decode_lengths(engine, prompt, max_tokens, min_tokens, ignore_eos, min_confidence)
         return await decode_file(request, engine, await request.body(), prompt, lengths)
     body = await read_json(request)
     try:
@@ -363,21 +371,23 @@ async def decode(request: Request,
     prompt = req.prompt or prompt
     lengths = decode_lengths(engine, prompt, req.max_tokens or max_tokens,
                              req.min_tokens if req.min_tokens is not None else min_tokens,
-                             req.ignore_eos if req.ignore_eos is not None else ignore_eos)
+                             req.ignore_eos if req.ignore_eos is not None else ignore_eos,
+                             req.min_confidence if req.min_confidence is not None else min_confidence)
     if req.stream:
         return stream_decode(request, engine, codes, prompt, lengths)
     [result] = await run_jobs(request, engine, [lambda: engine.decode(codes, prompt, **lengths, group=request)])
     return DecodeResponse(text=result.text, num_tokens=result.num_tokens, finish_reason=result.finish_reason,
-                          prompt_tokens=result.prompt_tokens)
+                          prompt_tokens=result.prompt_tokens, confidence=result.confidence)
 
 
 def decode_lengths(engine: EngineLike, prompt: str, max_tokens: int | None, min_tokens: int | None,
-                   ignore_eos: bool) -> dict:
-    """engine.decode's max_tokens, min_tokens and ignore_eos: without max_tokens, the default raised to min_tokens
-    (the engine refuses what does not fit a slot, naming the field)."""
+                   ignore_eos: bool, min_confidence: float | None = None) -> dict:
+    """engine.decode's max_tokens, min_tokens, ignore_eos and min_confidence: without max_tokens, the default
+    raised to min_tokens (the engine refuses what does not fit a slot, naming the field)."""
     min_tokens = min_tokens or 0
-    return {"max_tokens": max_tokens or max(default_max_tokens(engine, prompt), min_tokens), "min_tokens": min_tokens,
-            "ignore_eos": ignore_eos}
+    lengths = {"max_tokens": max_tokens or max(default_max_tokens(engine, prompt), min_tokens),
+               "min_tokens": min_tokens, "ignore_eos": ignore_eos}
+    return lengths if min_confidence is None else {**lengths, "min_confidence": min_confidence}
 
 
 async def decode_file(request: Request, engine: EngineLike, data: bytes, prompt: str, lengths: dict):
@@ -401,7 +411,7 @@ async def decode_file(request: Request, engine: EngineLike, data: bytes, prompt:
                                                for c in doc.pages])
     return DecodePagesResponse(quantizer=doc.quantizer, pages=[
         PageText(page=i + 1, text=r.text, num_tokens=r.num_tokens, finish_reason=r.finish_reason,
-                 prompt_tokens=r.prompt_tokens) for i, r in enumerate(results)])
+                 prompt_tokens=r.prompt_tokens, confidence=r.confidence) for i, r in enumerate(results)])
 
 
 def sse(name: str, data: dict) -> bytes:
@@ -431,7 +441,7 @@ def stream_decode(request: Request, engine: EngineLike, codes: np.ndarray, promp
                 raise http_error(engine.deadline_error()) from None
             r: DecodeResult = result.result()
             yield sse("done", {"text": r.text, "num_tokens": r.num_tokens, "prompt_tokens": r.prompt_tokens,
-                               "finish_reason": r.finish_reason})
+                               "finish_reason": r.finish_reason, "confidence": r.confidence})
         except (EngineError, ApiError) as e:
             err = http_error(e) if isinstance(e, EngineError) else e
             yield sse("error", {"error": {"type": err.type, "message": err.message}})

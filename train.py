@@ -28,7 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from ocr_latent.training import features, quantizer_trainer, self_reading
+from ocr_latent.training import confidence, features, quantizer_trainer, self_reading
 from ocr_latent.architecture import DTYPE_NAMES
 from ocr_latent.checkpoint import OCRModel, file_sha256, load_model
 from ocr_latent.training.evaluation import Renderers, evaluate, pixels_of, slot_accuracy
@@ -751,11 +751,14 @@ def main(argv=None, prog: str | None = None) -> None:
     r = sub.add_parser("report", help="how closely the reading through the codes matches the uncompressed reading, "
                        "page by page, for any directory of images and PDFs (no transcripts needed)")
     self_reading.add_report_arguments(r)
+    c = sub.add_parser("confidence", help="fit how far to trust readings and codes (confidence, fidelity) on held-out "
+                       "pages of every kind, beside the quantizer")
+    confidence.add_arguments(c)
     args = ap.parse_args(argv)
     if hasattr(args, "threads"):
         torch.set_num_threads(args.threads)
     {"base": train_base, "export": export_base, "quantizer": quantizer_trainer.train_quantizer,
-     "report": self_reading.report, "ship": ship}[args.cmd](args)
+     "report": self_reading.report, "ship": ship, "confidence": confidence.calibrate}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -118,7 +118,12 @@ def main(argv: list[str] | None = None) -> int:
                 out = args.output or str(args.input.with_suffix(SUFFIX))
                 if out != "-" and not Path(out).resolve().parent.is_dir():  # before the server's work, not after
                     raise SystemExit(f"ocr-latent: cannot write {out}: no directory {Path(out).parent}")
-                doc = client.encode(data, args.pages)
+                fidelity: list[float] = []
+                doc = client.encode(data, args.pages, fidelity)
+                for page, f in enumerate(fidelity, 1):
+                    if f < LOW_FIDELITY:
+                        print(f"ocr-latent: {args.input}: page {page}'s codes carry it poorly (fidelity {f:.2f}): "
+                              f"keep the original", file=sys.stderr)
                 if out == "-":
                     sys.stdout.buffer.write(doc.to_bytes())
                 else:
@@ -155,6 +160,9 @@ def read_input(path: Path) -> bytes:
         return path.read_bytes()
     except OSError as e:
         raise SystemExit(f"ocr-latent: cannot read {path}: {e.strerror or e}") from None
+
+
+LOW_FIDELITY = 0.5  # below this `encode` warns: the page's reading through its codes is likely to differ
 
 
 def decode(client, doc, args) -> None:

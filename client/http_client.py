@@ -70,11 +70,15 @@ class Client:
     def health(self) -> dict:
         return self._send("GET", "/health", retry=False).json()
 
-    def encode(self, data: bytes, pages: str | None = None) -> CodesFile:
-        """An image's or a PDF's bytes -> its codes (one page per image, one per selected PDF page)."""
+    def encode(self, data: bytes, pages: str | None = None, fidelity: list[float] | None = None) -> CodesFile:
+        """An image's or a PDF's bytes -> its codes (one page per image, one per selected PDF page). `fidelity`,
+        when given, receives each page's fidelity (0..1: how faithfully its codes carry it), where the server
+        reports one."""
         params = {"format": "olc", **({"pages": pages} if pages else {})}
         r = self._send("POST", "/encode", params=params, content=data,
                        headers={"Content-Type": "application/octet-stream", "Accept": MEDIA_TYPE})
+        if fidelity is not None and r.headers.get("x-fidelity"):
+            fidelity.extend(float(f) for f in r.headers["x-fidelity"].split(","))
         return CodesFile.from_bytes(r.content)
 
     def decode(self, codes: CodesFile, prompt: str = "free", max_tokens: int = 4096, min_tokens: int = 0,

@@ -5,7 +5,7 @@ the codes a bulk-encode wrote. The work runs in a pool of Ray actors, each with 
 `engine.Engine` (so a page gives the same codes and text as /encode and /decode), fed batches of pages.
 
   * parquet columns: path (relative to DIR), page (from 1), codes (2,048 bytes, packed as /encode's
-    codes_b64), quantizer (its fingerprint); jsonl fields: path, page, text, finish_reason;
+    codes_b64), quantizer (its fingerprint); jsonl fields: path, page, text, finish_reason, confidence;
   * a rerun skips pages already done: bulk-encode keeps what it finished in OUT.parquet.parts/ until it
     merges them into OUT.parquet, bulk-decode appends to OUT.jsonl as pages finish;
   * a file or page that cannot be read (or codes of another quantizer) is a line in OUT.errors.jsonl
@@ -105,6 +105,7 @@ class Decoder(EngineActor):
         return {"path": batch["path"], "page": batch["page"],
                 "text": np.array([getattr(results[i], "text", "") for i in range(n)], dtype=object),
                 "finish_reason": np.array([getattr(results[i], "finish_reason", "") for i in range(n)], dtype=object),
+                "confidence": np.array([getattr(results[i], "confidence", None) for i in range(n)], dtype=object),
                 "error": np.array([results[i] if isinstance(results[i], str) else "" for i in range(n)], dtype=object)}
 
 
@@ -245,13 +246,14 @@ def bulk_decode(input_file: Path, output: Path, actors: int = 1, batch_size: int
             with open(output, "a") as out:
                 for batch in run_pool(ray, rows, Decoder, {"prompt": prompt, "max_tokens": max_tokens},
                                       actors, batch_size, "decode"):
-                    for p, n, text, reason, e in zip(batch["path"], batch["page"], batch["text"],
-                                                     batch["finish_reason"], batch["error"]):
+                    for p, n, text, reason, confidence, e in zip(batch["path"], batch["page"], batch["text"],
+                                                                 batch["finish_reason"], batch["confidence"],
+                                                                 batch["error"]):
                         if e:
                             errors(str(p), int(n), str(e))
                         else:
                             out.write(json.dumps({"path": str(p), "page": int(n), "text": str(text),
-                                                  "finish_reason": str(reason)}) + "\n")
+                                                  "finish_reason": str(reason), "confidence": confidence}) + "\n")
                     out.flush()
         finally:
             ray.shutdown()

@@ -47,6 +47,9 @@ from ocr_latent.serving.telemetry import Metrics
 log = logging.getLogger("ocr_latent.engine")
 
 
+EARLY_STOP_TOKENS, EARLY_STOP_EVERY = 48, 16  # the early stop judges a reading from this many tokens, this often
+
+
 class StartupError(RuntimeError):
     """A configuration problem found while loading: reported as its message alone."""
 
@@ -103,8 +106,10 @@ class Job:
 
 @dataclass(eq=False, kw_only=True)
 class EncodeJob(Job):
-    """A page image (RGB) -> codes uint8 [NUM_CODES]."""
+    """A page image (RGB) -> codes uint8 [NUM_CODES]; once done, `fidelity` says how faithfully they carry the
+    page (0..1; None without a calibration: serving/confidence.py)."""
     image: Image.Image
+    fidelity: float | None = None
 
 
 @dataclass(eq=False, kw_only=True)
@@ -124,6 +129,7 @@ class DecodeJob(Job):
     stream: "TextStream | None" = None
     prompt_tokens: int = 0
     group: object = None
+    min_confidence: float | None = None  # the early stop: see Engine.decode
 
     @property
     def group_key(self) -> int:
@@ -135,8 +141,9 @@ class DecodeJob(Job):
 class DecodeResult:
     text: str
     num_tokens: int  # tokens of the text, EOS not counted
-    finish_reason: str  # stop | length | repetition
+    finish_reason: str  # stop | length | repetition | low_confidence
     prompt_tokens: int = 0  # the decoder's input positions: image tokens and prompt
+    confidence: float | None = None  # how far to trust the text, 0..1 (None without a calibration)
 
 
 class TextStream:
@@ -207,11 +214,14 @@ class Engine(EngineState):
 
     def decode(self, codes: np.ndarray, prompt: str = "free", max_tokens: int = 4096,
                timeout_s: float | None = None, on_text: Callable[[str], None] | None = None,
-               min_tokens: int = 0, ignore_eos: bool = False, group: object = None) -> DecodeJob:
+               min_tokens: int = 0, ignore_eos: bool = False, group: object = None,
+               min_confidence: float | None = None) -> DecodeJob:
         """`min_tokens`: EOS and the loop detector cannot end it sooner; `ignore_eos`: nor ever, it runs to
         max_tokens (vLLM's fields, for benchmarks of fixed output lengths). `group`: one object for all the
         jobs of a request (its pages), so that requests, not pages, take turns at the slots (None: the job
-        is a request of its own)."""
+        is a request of its own). `min_confidence`: the early stop, off by default: from EARLY_STOP_TOKENS
+        tokens on, every EARLY_STOP_EVERY tokens, a reading whose confidence would stay below it even if it
+        ended there ends with finish_reason "low_confidence" (its text so far) and frees its slot."""
         self.check_ready()  # the prompts and the cache's size are known once loaded
         if prompt not in self.prompts:
             raise ValueError(f"prompt {prompt!r} is not available for model {self.pipeline.label!r} "
@@ -219,9 +229,12 @@ class Engine(EngineState):
         check_lengths(max_tokens, min_tokens, self.max_new_tokens(prompt),
                       f"a sequence holds {self.gen.slot_tokens} positions (the model's {self.gen.max_positions}, or "
                       f"KV_CACHE_TOKENS / DECODE_SLOTS) and the page and prompt take {self.pipeline.prompt_length(prompt)}")
+        if min_confidence is not None and self.pipeline.calibration is None:
+            raise ValueError("min_confidence needs a calibrated quantizer (its .confidence.json, made by `python "
+                             "train.py confidence`); this server's has none")
         return self.submit(DecodeJob(codes=codes, prompt=prompt, max_tokens=max_tokens, min_tokens=min_tokens,
                                      ignore_eos=ignore_eos, on_text=on_text, group=group,
-                                     deadline=self.deadline(timeout_s)))
+                                     min_confidence=min_confidence, deadline=self.deadline(timeout_s)))
 
     def max_new_tokens(self, prompt: str = "free") -> int:
         """The most tokens a decode with `prompt` may ask for: what a cache slot holds beyond the prompt."""
@@ -491,7 +504,7 @@ class Engine(EngineState):
             self.m.queue_wait.labels("encode").observe(now - j.arrived)
         t0 = time.perf_counter()
         try:
-            codes = self.pipeline.encode([j.image for j in jobs])
+            codes, lost = self.pipeline.encode_measured([j.image for j in jobs])
         except Exception:  # noqa: BLE001
             log.error("encode batch of %d failed; retrying one by one:\n%s", len(jobs), traceback.format_exc())
             for j in jobs:
@@ -504,7 +517,10 @@ class Engine(EngineState):
         self.m.encode_seconds.observe(time.perf_counter() - t0)
         self.m.encode_batch.observe(len(jobs))
         self.m.images.inc(len(jobs))
-        for j, c in zip(jobs, codes):
+        for j, c, l in zip(jobs, codes, lost):
+            j.fidelity = self.pipeline.fidelity(float(l))
+            if j.fidelity is not None:
+                self.m.fidelity.observe(j.fidelity)
             self._resolve(j, c.copy())
 
     def _admit(self, jobs: list[DecodeJob]) -> None:
@@ -576,11 +592,14 @@ class Engine(EngineState):
         still = []
         for j in self.running:
             seq = j.seq
+            if seq.finish_reason is None and self._unsure(j):
+                seq.finish_reason = "low_confidence"
             if seq.finish_reason is None:
                 still.append(j)
                 if j.stream is not None:
                     self._send_text(j, j.stream.feed(seq.tokens))
                 continue
+            confidence = self.pipeline.confidence(self.gen.token_logprobs(seq), seq.finish_reason, j.codes)
             self.gen.drop(seq)
             try:
                 text = self.pipeline.text(seq.tokens)
@@ -589,11 +608,21 @@ class Engine(EngineState):
                 continue
             n = len(seq.tokens) - (1 if seq.finish_reason == "stop" else 0)
             self.m.finish.labels(seq.finish_reason).inc()
+            if confidence is not None:
+                self.m.confidence.observe(confidence)
             if j.stream is not None:
                 self._send_text(j, j.stream.finish(text))
-            self._resolve(j, DecodeResult(text, n, seq.finish_reason, j.prompt_tokens))
+            self._resolve(j, DecodeResult(text, n, seq.finish_reason, j.prompt_tokens, confidence))
         self.running = still
         self.m.active.set(len(self.running))
+
+    def _unsure(self, j: DecodeJob) -> bool:
+        """The early stop (Engine.decode's min_confidence): checked every EARLY_STOP_EVERY tokens from
+        EARLY_STOP_TOKENS on, as if the reading ended there (one read of its log-probabilities)."""
+        n = len(j.seq.tokens)
+        if j.min_confidence is None or n < EARLY_STOP_TOKENS or n % EARLY_STOP_EVERY:
+            return False
+        return self.pipeline.confidence(self.gen.token_logprobs(j.seq), "stop", j.codes) < j.min_confidence
 
     def _reap(self) -> None:
         """Drop sequences whose submitter cancelled them or whose deadline passed."""

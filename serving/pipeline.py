@@ -20,6 +20,7 @@ from ocr_latent.architecture import ARCHITECTURE, GENERATION, NUM_CODES, PROMPTS
 from ocr_latent.checkpoint import DTYPES, CheckpointError, OCRModel, load_model, verify_pin
 from ocr_latent.generation import Generator, RepetitionRule
 from ocr_latent.quantizer import ScalarCodes
+from ocr_latent.serving.confidence import Calibration, calibration_path
 from ocr_latent.serving.settings import settings
 
 
@@ -47,11 +48,13 @@ def default_prefill_dtype(device: str, dtype: str) -> str:
 
 class Pipeline:
     def __init__(self, model: OCRModel, quantizer: ScalarCodes, mode: str, label: str, revision: str,
-                 prefill_dtype: str | None = None):
+                 prefill_dtype: str | None = None, calibration: Calibration | None = None):
         # what the codes mean (codes files carry it): taken before the quantizer moves to the device
         self.quantizer_fingerprint = quantizer.fingerprint(base_fingerprint(model))
         self.model, self.quantizer, self.mode = model, quantizer.to(model.encoder.projector.layers.weight.device), mode
         self.label, self.revision = label, revision
+        # how far to trust readings and codes (serving/confidence.py): used only when fitted for this quantizer
+        self.calibration = calibration if calibration and calibration.quantizer == self.quantizer_fingerprint else None
         decoder = model.decoder
         self.prefill_dtype = DTYPES[prefill_dtype] if prefill_dtype else decoder.lm_head.weight.dtype
         # a copy of the decoder at the prompt precision, when it differs (its own weights: a 22 MB bf16 copy for nano)
@@ -71,7 +74,27 @@ class Pipeline:
     @torch.inference_mode()
     def encode(self, images: list[Image.Image]) -> np.ndarray:
         """Pages -> codes [B, NUM_CODES] uint8; one batched forward through the towers."""
-        return self.quantizer.encode(self.model.encoder.encode_images(images, self.mode)).cpu().numpy()
+        return self.encode_measured(images)[0]
+
+    @torch.inference_mode()
+    def encode_measured(self, images: list[Image.Image]) -> tuple[np.ndarray, np.ndarray]:
+        """Pages -> (codes [B, NUM_CODES] uint8, lost [B]): `lost` is the share of each page's feature energy
+        that its codes do not carry back (|f - dequantized|^2 / |f|^2), the input of `fidelity`."""
+        feats = self.model.encoder.encode_images(images, self.mode)
+        codes = self.quantizer.encode(feats)
+        back = self.quantizer.decode(codes).float()
+        lost = ((feats - back) ** 2).sum((1, 2)) / (feats ** 2).sum((1, 2)).clamp(min=1e-12)
+        return codes.cpu().numpy(), lost.cpu().numpy()
+
+    def fidelity(self, lost: float) -> float | None:
+        """How faithfully a page's codes carry it for the decoder (0..1), or None without a calibration."""
+        return None if self.calibration is None else round(self.calibration.fidelity(lost), 4)
+
+    def confidence(self, logprobs: list[float], finish_reason: str, codes: np.ndarray) -> float | None:
+        """How far to trust a reading (0..1), or None without a calibration (`train.py confidence` fits one)."""
+        if self.calibration is None:
+            return None
+        return round(self.calibration.confidence(logprobs, finish_reason, codes), 4)
 
     @torch.inference_mode()
     def decode_inputs(self, codes: np.ndarray, prompt: str) -> torch.Tensor:
@@ -133,6 +156,10 @@ def load_pipeline(model_dir: str | None = None, quantizer: str | None = None, de
     # a checkpoint in nano format (weights/nano or a copy) names its own mode; the rest is DeepSeek-OCR
     base = ARCHITECTURE["nano"] if "ocr_latent" in model.config else ARCHITECTURE["base_model"]
     default_quantizer = Path(model_dir) / "quantizer.safetensors" if "ocr_latent" in model.config else ROOT / base["quantizer"]
-    fsq, _ = load_quantizer(Path(quantizer or default_quantizer), model, model_dir)
+    quantizer_path = Path(quantizer or default_quantizer)
+    fsq, _ = load_quantizer(quantizer_path, model, model_dir)
     mode = model.config.get("ocr_latent", {}).get("mode", base["mode"])
-    return Pipeline(model, fsq, mode, label, base["revision"], prefill_dtype or default_prefill_dtype(device, dtype))
+    calibrated = calibration_path(quantizer_path)
+    calibration = Calibration.load(calibrated) if calibrated.exists() else None
+    return Pipeline(model, fsq, mode, label, base["revision"], prefill_dtype or default_prefill_dtype(device, dtype),
+                    calibration)

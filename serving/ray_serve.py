@@ -105,17 +105,17 @@ class EngineReplica:
         return await self._result(lambda: self.engine.encode(image))
 
     async def decode(self, codes: np.ndarray, prompt: str, max_tokens: int, min_tokens: int = 0,
-                     ignore_eos: bool = False) -> DecodeResult | Refused:
+                     ignore_eos: bool = False, min_confidence: float | None = None) -> DecodeResult | Refused:
         return await self._result(lambda: self.engine.decode(codes, prompt, max_tokens, min_tokens=min_tokens,
-                                                             ignore_eos=ignore_eos))
+                                                             ignore_eos=ignore_eos, min_confidence=min_confidence))
 
     async def decode_stream(self, codes: np.ndarray, prompt: str, max_tokens: int, min_tokens: int = 0,
-                            ignore_eos: bool = False):
+                            ignore_eos: bool = False, min_confidence: float | None = None):
         """Pieces of text (str) as they are generated, then the DecodeResult (or a Refused)."""
         feed = TextFeed()
         try:
             job = self.engine.decode(codes, prompt, max_tokens, on_text=feed.on_text, min_tokens=min_tokens,
-                                     ignore_eos=ignore_eos)
+                                     ignore_eos=ignore_eos, min_confidence=min_confidence)
         except EngineError as e:
             yield Refused.of(e)
             return
@@ -193,7 +193,7 @@ class RemoteEngine(EngineState):
 
     def decode(self, codes: np.ndarray, prompt: str = "free", max_tokens: int = 4096,
                timeout_s: float | None = None, on_text=None, min_tokens: int = 0, ignore_eos: bool = False,
-               group: object = None) -> RemoteJob:
+               group: object = None, min_confidence: float | None = None) -> RemoteJob:
         # `group` (Engine.decode's fair turns) stays here: the replicas take each page as a request of its own
         # (a group is compared by identity, which would not survive the trip to them)
         self.check_ready()
@@ -204,7 +204,7 @@ class RemoteEngine(EngineState):
         check_lengths(max_tokens, min_tokens, self.max_new_tokens(prompt),
                       "a decode replica's cache slot (KV_CACHE_TOKENS, DECODE_SLOTS) holds the page, the prompt and the tokens")
         job = RemoteJob(deadline=self.deadline(timeout_s))
-        args = (codes, prompt, max_tokens, min_tokens, ignore_eos)
+        args = (codes, prompt, max_tokens, min_tokens, ignore_eos, min_confidence)
         job.task = asyncio.get_running_loop().create_task(
             self._call(job, "decode", *args) if on_text is None else self._stream(job, on_text, *args))
         return job

@@ -30,6 +30,13 @@ QUANTIZER_FIELD = Field(description="fingerprint of the quantizer that made the 
                                     "decode correctly only with the same one", pattern=FINGERPRINT.pattern)
 
 
+FIDELITY_DOC = ("how faithfully these codes carry the page for the decoder, 0..1 (from what of the page's features "
+                "the codes lose, calibrated on held-out pages; null where the quantizer has no calibration): below "
+                "0.5, keep the original")
+CONFIDENCE_DOC = ("how far to trust the text, 0..1 (calibrated on held-out pages: the share of readings at this "
+                  "confidence that were faithful, CER <= 0.25; null where the quantizer has no calibration)")
+
+
 class EncodeResponse(BaseModel):
     """One image's codes."""
     codes: list[int] = Field(description="4096 codes, each 0..15")
@@ -39,12 +46,14 @@ class EncodeResponse(BaseModel):
     bits_per_code: int = BITS_PER_CODE
     quantizer: str = QUANTIZER_FIELD
     mode: str = Field(description="the view mode the page was encoded in")
+    fidelity: float | None = Field(None, description=FIDELITY_DOC)
 
 
 class PageCodes(BaseModel):
     page: int = Field(description="page number in the document, from 1")
     codes: list[int] = Field(description="4096 codes, each 0..15")
     codes_b64: str = Field(description="the codes packed, 2048 bytes, base64")
+    fidelity: float | None = Field(None, description=FIDELITY_DOC)
 
 
 class EncodePagesResponse(BaseModel):
@@ -58,6 +67,8 @@ class EncodePagesResponse(BaseModel):
 
 MIN_TOKENS_DOC = ("fewest tokens to generate: EOS and the repetition rule cannot end the text sooner (default 0; at most "
                   "max_tokens; without max_tokens, max_tokens is raised to it)")
+MIN_CONFIDENCE_DOC = ("the early stop, off by default: a reading whose confidence stays below this after 48 tokens "
+                      "ends with finish_reason low_confidence and its text so far (garbage costs no more)")
 IGNORE_EOS_DOC = ("generate until max_tokens: EOS is never chosen and the repetition rule never stops (default false; "
                   "for benchmarks of fixed output lengths)")
 
@@ -83,9 +94,12 @@ class DecodeRequest(BaseModel):
     quantizer: StrictStr | None = Field(None, pattern=FINGERPRINT.pattern,
                                         description="the fingerprint /encode returned with these codes: a 409 when it "
                                                     "is not this server's quantizer (instead of wrong text)")
+    min_confidence: float | None = Field(None, ge=0, le=1, strict=True, description=MIN_CONFIDENCE_DOC +
+                                         "; overrides the query parameter")
     stream: StrictBool = Field(False, description="answer text/event-stream: `delta` events ({text}) as the text "
                                                   "is generated, then one `done` event ({text, num_tokens, "
-                                                  "prompt_tokens, finish_reason}) or `error` event ({error})")
+                                                  "prompt_tokens, finish_reason, confidence}) or `error` event "
+                                                  "({error})")
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -116,8 +130,9 @@ class DecodeResponse(BaseModel):
     text: str
     num_tokens: int = Field(description="tokens of the text, the end-of-sequence token not counted; "
                                         "== max_tokens when finish_reason is length")
-    finish_reason: Literal["stop", "length", "repetition"]
+    finish_reason: Literal["stop", "length", "repetition", "low_confidence"]
     prompt_tokens: int = Field(description="the decoder's input positions: image tokens and prompt")
+    confidence: float | None = Field(None, description=CONFIDENCE_DOC)
 
 
 class PageText(DecodeResponse):
@@ -165,7 +180,7 @@ SSE_EVENT_SCHEMA = {"type": "object", "required": ["event", "data"], "properties
     "event": {"type": "string", "enum": ["delta", "done", "error"]},
     "data": {"type": "string", "contentMediaType": "application/json", "description":
              'delta: {"text": the next piece of text}; done (last): {"text", "num_tokens", "prompt_tokens", '
-             '"finish_reason"}; error (last): {"error": {"type", "message"}}'}}}
+             '"finish_reason", "confidence"}; error (last): {"error": {"type", "message"}}'}}}
 
 
 def decode_request_schema(quantizer: str | None = None, prompts: list[str] | None = None) -> dict:

@@ -44,6 +44,10 @@ class Metrics:
             "ocr_latent_connections_closed_total", "connections the server refused or cut before a request was "
             "answered: max_connections, per_client (MAX_CONNECTIONS_PER_CLIENT), head_timeout, body_timeout",
             ["reason"], registry=r)
+        self.confidence = Histogram("ocr_latent_decode_confidence", "confidence of each reading (0..1)",
+                                    buckets=(.05, .1, .2, .3, .4, .5, .6, .7, .8, .9, .95, 1), registry=r)
+        self.fidelity = Histogram("ocr_latent_encode_fidelity", "fidelity of each page's codes (0..1)",
+                                  buckets=(.05, .1, .2, .3, .4, .5, .6, .7, .8, .9, .95, 1), registry=r)
         self.ready = Gauge("ocr_latent_ready", "1 once the model is loaded and warmed up", registry=r)
         self._window: deque[tuple[float, int]] = deque()
 

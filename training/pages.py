@@ -540,3 +540,31 @@ if __name__ == "__main__":  # python -m ocr_latent.training.pages [N] [small|ord
         page.image.save(f"/tmp/pages_sample_{i}.png")
         print(f"/tmp/pages_sample_{i}.png  {page.source}  {page.font} {page.font_size}px  {page.augmentations}")
         print(page.text, end="\n\n")
+
+
+_CLEAN = {"augment": False}
+PAGE_KINDS = {  # name -> (what it is, its page spec): the kinds of page the project reads and reports on
+    "small": ("512x512, 3-6 lines of 20-30 characters at 22-30 px (nano v1's training pages)", PageSpec(**_CLEAN)),
+    "small-9-lines": ("512x512, 9 lines at 22-30 px", PageSpec(min_lines=9, max_lines=9, min_line_spacing=1.1,
+                                                                max_line_spacing=1.2, min_font_size=22, **_CLEAN)),
+    "small-16px": ("512x512, 3-6 lines at 16 px", PageSpec(min_font_size=16, max_font_size=16, **_CLEAN)),
+    "large-print": ("1024x1024 or letter/A4, 4-12 lines of up to 30 characters at 40-56 px (nano v4's level 0)",
+                    replace(toward_ordinary(0).specs[0], **_CLEAN)),
+    "ordinary": ("1024x1024, 15 lines of ~40 characters at 28 px", PageSpec(
+        size=1024, min_lines=15, max_lines=15, min_chars_per_line=38, max_chars_per_line=42, min_font_size=28,
+        max_font_size=28, min_margin=40, max_margin=100, min_line_spacing=1.3, max_line_spacing=1.5, **_CLEAN)),
+    "letter": ("816x1056 letter page, 12-20 lines of 50-65 characters at 20-24 px", PageSpec(
+        size=1056, shapes=((816, 1056),), min_lines=12, max_lines=20, min_chars_per_line=50, max_chars_per_line=65,
+        min_font_size=20, max_font_size=24, min_margin=60, max_margin=96, **_CLEAN)),
+    "dense": ("1024x1024, 25 lines of ~60 characters at 18-20 px", PageSpec(
+        size=1024, min_lines=25, max_lines=25, min_chars_per_line=58, max_chars_per_line=62, min_font_size=18,
+        max_font_size=20, min_margin=24, max_margin=48, min_line_spacing=1.2, max_line_spacing=1.3, **_CLEAN)),
+    "screenshot": ("1280x800, 30 lines of ~80 characters at 13 px", PageSpec(
+        size=1280, shapes=((1280, 800),), min_lines=30, max_lines=30, min_chars_per_line=78, max_chars_per_line=82,
+        min_font_size=13, max_font_size=13, min_margin=16, max_margin=32, min_line_spacing=1.25,
+        max_line_spacing=1.35, fonts=("DejaVuSans.ttf",), **_CLEAN)),
+    "latin1": ("1024x1024 ordinary page, a third of its words with Latin-1 letters (é, ü, ß, ñ ...)", PageSpec(
+        **{**vars(ORDINARY), "latin1_page_prob": 1.0, "latin1_word_prob": 0.33, "augment": False,
+           "max_rotation": 0.0, "shade_prob": 0.0})),
+    "photo": ("ordinary pages as photographed: tint, rotation, shading, blur, noise, JPEG (nano v2's test pages)", ORDINARY),
+}
