@@ -65,8 +65,9 @@ FLOOR_NAMES = ("the model", "serving/ and training/", "the faces")
 # package modules on no floor: the namespace's own __init__, and scripts that make data files
 OFF_THE_FLOORS = {"ocr_latent", "ocr_latent.corpus.make_corpus", "ocr_latent.examples.make_examples",
                   "ocr_latent.examples.hostile"}
-# what training/ may import of its sibling serving/: the model's own reading of its inputs
-TRAINING_MAY_IMPORT = {"ocr_latent.serving.pipeline", "ocr_latent.serving.documents"}
+# what training/ may import of its sibling serving/: the model's own reading of its inputs, and the confidence
+# model that training/confidence.py fits for the server to use
+TRAINING_MAY_IMPORT = {"ocr_latent.serving.pipeline", "ocr_latent.serving.documents", "ocr_latent.serving.confidence"}
 # Imports a rule forbids that stay, each with its reason (a test fails on any other, and on one gone).
 KNOWN_UPWARD: set[tuple[str, str]] = set()
 # architecture.py: the contract's constants and the codes' wire format, torch-free, read by both ends of the wire
