@@ -15,27 +15,31 @@ from ocr_latent.serving.settings import settings as read_settings
 log = logging.getLogger("ocr_latent.server")
 
 
-def over_capacity_in_json(app, retry_after_s: int, metrics) -> None:
-    """Beyond MAX_CONNECTIONS uvicorn answers every request itself, before the app, with a plain-text 503;
-    its h11 protocol looks that answer up by name when it needs it, so the name is pointed at one in the
-    service's JSON error format, with Retry-After, like every other error, and counted in /metrics. /health
-    still goes to the app: a probe must not see a server that holds many connections as a dead one."""
+def refusing(app, reason: str, message: str, retry_after_s: int, metrics):
+    """An ASGI app that answers every request but /health (which goes on to `app`: a probe must not see a busy
+    server as a dead one) with a 503 in the service's JSON error format, Retry-After, the connection closed,
+    and counts it in ocr_latent_connections_closed_total under `reason`."""
     import json
+    body = json.dumps({"error": {"type": "overloaded", "message": message}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"retry-after", str(retry_after_s).encode()), (b"connection", b"close")]
 
-    from uvicorn.protocols.http import h11_impl
-    body = json.dumps({"error": {"type": "overloaded", "message": "too many open connections (MAX_CONNECTIONS): "
-                                 "retry shortly"}}).encode()
-
-    async def service_unavailable(scope, receive, send) -> None:
+    async def refuse(scope, receive, send) -> None:
         if scope.get("path") == "/health":
             return await app(scope, receive, send)
-        metrics.connections_closed.labels("max_connections").inc()
-        await send({"type": "http.response.start", "status": 503, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"retry-after", str(retry_after_s).encode()), (b"connection", b"close")]})
+        metrics.connections_closed.labels(reason).inc()
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
+    return refuse
 
-    h11_impl.service_unavailable = service_unavailable
+
+def over_capacity_in_json(app, retry_after_s: int, metrics) -> None:
+    """Beyond MAX_CONNECTIONS uvicorn answers every request itself, before the app, with a plain-text 503;
+    its h11 protocol looks that answer up by name when it needs it, so the name is pointed at `refusing`'s,
+    like every other error in JSON, counted, and /health still answered."""
+    from uvicorn.protocols.http import h11_impl
+    h11_impl.service_unavailable = refusing(app, "max_connections", "too many open connections (MAX_CONNECTIONS): "
+                                            "retry shortly", retry_after_s, metrics)
 
 
 def request_timeout_response(message: str) -> bytes:
@@ -59,26 +63,11 @@ def guarded_protocol(s, metrics):
       answered 503 and its connection closed (a silent one goes at HEADER_TIMEOUT_S), so one client cannot
       hold the MAX_CONNECTIONS that all share; /health still answers on it.
     Each of these is counted in ocr_latent_connections_closed_total."""
-    import json
-
     from uvicorn.protocols.http.h11_impl import H11Protocol
     per_client: dict[str, int] = {}
-    busy = json.dumps({"error": {"type": "overloaded", "message": f"too many open connections from this address "
-                                 f"(MAX_CONNECTIONS_PER_CLIENT={s.max_connections_per_client}); reuse one, or retry "
-                                 f"shortly"}}).encode()
+    busy = (f"too many open connections from this address (MAX_CONNECTIONS_PER_CLIENT={s.max_connections_per_client}); "
+            f"reuse one, or retry shortly")
 
-    def over_cap(app):
-        """The app as a connection beyond its client's share sees it: /health answers (a probe from a busy
-        address must not see a dead server), anything else gets a 503 and the connection is closed."""
-        async def refuse(scope, receive, send) -> None:
-            if scope.get("path") == "/health":
-                return await app(scope, receive, send)
-            metrics.connections_closed.labels("per_client").inc()
-            await send({"type": "http.response.start", "status": 503, "headers": [
-                (b"content-type", b"application/json"), (b"content-length", str(len(busy)).encode()),
-                (b"retry-after", str(s.retry_after_s).encode()), (b"connection", b"close")]})
-            await send({"type": "http.response.body", "body": busy, "more_body": False})
-        return refuse
     slow = request_timeout_response(f"the request body did not arrive within {s.body_timeout_s:g} s of its head "
                                     f"(BODY_TIMEOUT_S); send it at once, or in less time")
 
@@ -122,7 +111,8 @@ def guarded_protocol(s, metrics):
             if self._client is not None:
                 per_client[self._client] = per_client.get(self._client, 0) + 1
                 if per_client[self._client] > s.max_connections_per_client:
-                    self.app = over_cap(self.app)  # its requests are refused as they come (this one's only)
+                    # its requests are refused as they come (this connection's only)
+                    self.app = refusing(self.app, "per_client", busy, s.retry_after_s, metrics)
             self._arm(s.header_timeout_s, self._head_timed_out)
 
         def handle_events(self) -> None:
