@@ -140,6 +140,9 @@ def calibrate(args: argparse.Namespace) -> None:
     readings = read(pipe, images, args.max_tokens)
     plain = [r.text for r in read(pipe, images, args.max_tokens, through_codes=False)]
     calibration = fit(pipe, readings, plain, truths)
+    calibration.fitted.update({"command": "python train.py confidence", "images": args.images, "per_kind": args.per_kind,
+                               "kinds": args.kinds.split(","), "max_tokens": args.max_tokens, "seed": args.seed,
+                               "documents": "test split, even index (training.confidence.documents(0))"})
     out = Path(args.out) if args.out else calibration_path(args.quantizer or default_quantizer(args.base))
     calibration.save(out)
     print(f"wrote {out}: {calibration.fitted}")
