@@ -5,7 +5,7 @@
 
 Starts the server (server.py, the embedded default) on a free loopback port, renders held-out pages of every
 kind the project reads (training.pages.PAGE_KINDS, blank pages and pictures without text) from the test
-documents of odd index (the calibration, `train.py confidence`, fits on the even ones), and for each page:
+split's documents (the calibration, `train.py confidence`, fits on the validation split's), and for each page:
 POST /encode (its codes and fidelity), POST /decode of those codes (text, finish_reason, confidence), both
 16 at a time; in process, the reading of the page uncompressed. Then prints, and as its last line one JSON
 object:
