@@ -2,6 +2,7 @@
 that do not use it.
 
     nice -n 5 .venv/bin/python bench/side_by_side.py --baseline 8dbed46 --n 32 --rounds 3
+    nice -n 5 .venv/bin/python bench/side_by_side.py --baseline 8dbed46 --current 3b99b61   # two revisions
 
 Starts two servers on free loopback ports from the same .venv: this tree's, and the baseline revision's
 (checked out with `git worktree` into a temporary directory and imported from there through PYTHONPATH,
@@ -30,8 +31,9 @@ from ocr_latent.training.pages import test_pages
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def baseline_command(revision: str, workdir: Path) -> tuple[list[str], dict, Path]:
-    """The baseline's server: a worktree of `revision`, imported as `ocr_latent` through PYTHONPATH."""
+def revision_command(revision: str, workdir: Path) -> tuple[list[str], dict, Path]:
+    """A revision's server: a worktree of `revision` in `workdir`, imported as `ocr_latent` through PYTHONPATH."""
+    workdir.mkdir()
     tree = workdir / "tree"
     subprocess.run(["git", "worktree", "add", "--detach", "-q", str(tree), revision], cwd=ROOT, check=True)
     (workdir / "path").mkdir()
@@ -63,6 +65,7 @@ def measure(url: str, pngs: list[bytes], level: int, max_tokens: int, codes: lis
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", required=True, help="a git revision of this repository")
+    ap.add_argument("--current", help="another revision to measure against it (default: this working tree)")
     ap.add_argument("--n", type=int, default=32, help="pages (and requests per level)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=256)
@@ -77,12 +80,18 @@ def main(argv=None) -> None:
         pngs.append(buf.getvalue())
 
     workdir = Path(tempfile.mkdtemp(prefix="ocr-latent-side-"))
-    command, extra, tree = baseline_command(args.baseline, workdir)
+    command, extra, tree = revision_command(args.baseline, workdir / "baseline")
+    trees = [tree]
     env = {"DECODE_SLOTS": str(max(levels)), "TORCH_THREADS": os.environ.get("TORCH_THREADS", "1")}
     servers = {}
     try:
         servers["baseline"] = start_server({**env, **extra}, command)
-        servers["current"] = start_server(env)
+        if args.current:
+            command, extra, tree = revision_command(args.current, workdir / "current")
+            trees.append(tree)
+            servers["current"] = start_server({**env, **extra}, command)
+        else:
+            servers["current"] = start_server(env)
         urls = {name: s[1] for name, s in servers.items()}
         warm = {name: measure(url, pngs[:2], 1, args.max_tokens, None)[0] for name, url in urls.items()}
         for name, url in urls.items():
@@ -99,7 +108,7 @@ def main(argv=None) -> None:
                         w = walls[(name, kind, c)]
                         w[0], w[1] = w[0] + wall, w[1] + amount
                         outputs.setdefault((name, kind), out)
-        result = {"baseline": args.baseline, "n": args.n, "rounds": args.rounds, "max_tokens": args.max_tokens,
+        result = {"baseline": args.baseline, "current": args.current or "working tree", "n": args.n, "rounds": args.rounds, "max_tokens": args.max_tokens,
                   "torch_threads": env["TORCH_THREADS"], "levels": {},
                   "same_codes": outputs[("current", "encode")] == outputs[("baseline", "encode")],
                   "same_texts": outputs[("current", "decode")] == outputs[("baseline", "decode")]}
@@ -116,7 +125,8 @@ def main(argv=None) -> None:
     finally:
         for proc, *_ in servers.values():
             stop_server(proc)
-        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False)
+        for tree in trees:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False)
 
 
 if __name__ == "__main__":
