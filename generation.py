@@ -176,7 +176,6 @@ class Generator:
         # the log-probability of each chosen token, kept on the device at the position that chose it (read once a
         # sequence ends, or when a caller asks: `token_logprobs`), so a step costs no extra read to the host
         self.logprobs = torch.zeros(slots, self.slot_tokens, dtype=torch.float32, device=dev)
-        self._rows = torch.arange(slots, device=dev)
         self.masks_eos = 0 <= eos_id < decoder.cfg.vocab_size  # tests run without an EOS (-1)
         cuda = dev.type == "cuda"
         self.device_rule = cuda if device_rule is None else device_rule
@@ -395,7 +394,10 @@ class Generator:
             logits[:, self.eos_id].masked_fill_(self.pos[:B] < self.eos_from[:B], float("-inf"))
         if self.recent is not None and self.rule is not None:
             self._ban(logits, self.recent[:B])
-        return logits, logits.argmax(-1)
+        best_logit, best = logits.max(-1)
+        # the chosen token's log-probability, kept where this step's position is (no read to the host)
+        self.logprobs[:B].scatter_(1, self.pos[:B, None], (best_logit.float() - torch.logsumexp(logits.float(), -1))[:, None])
+        return logits, best
 
     def _ban(self, logits: Tensor, recent: Tensor) -> None:
         """RepetitionRule.banned for every row at once, as tensor ops (no host read): where the last n-1
@@ -443,7 +445,6 @@ class Generator:
         """A step of rows 0..B-1, and their next inputs set on the device: the best allowed tokens (without
         `device_rule` the host overrides a row whose best is banned) at the next positions."""
         logits, best = self._compute(B, L, hold_eos)
-        self.logprobs[self._rows[:B], self.pos[:B]] = chosen_logprobs(logits, best)
         self.tokens[:B] = best
         if self.recent is not None:
             self.recent[:B] = torch.cat([self.recent[:B, 1:], best[:, None]], 1)

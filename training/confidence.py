@@ -8,8 +8,8 @@
 Each page is read as the service reads it (the pipeline's towers, its codes, a generator with its repetition
 rule and prefill precision), through the codes and uncompressed. Confidence is fitted to tell readings of
 CER <= 0.25 against the transcript; fidelity to tell pages whose reading through the codes is within CER 0.1
-of the uncompressed reading (no transcript needed). Pages come from the test split's documents of even index
-(bench/confidence.py reports on the odd ones); blank pages and pictures without text are read as nothing.
+of the uncompressed reading (no transcript needed). Pages come from the validation split's documents
+(bench/confidence.py reports on the test split's); blank pages and pictures without text are read as nothing.
 Writes `<quantizer>.confidence.json` beside the quantizer (or --out), which the server then loads.
 """
 from __future__ import annotations
@@ -42,8 +42,9 @@ class Reading:
 
 
 def documents(half: int) -> list:
-    """The test split's documents of even (`half` 0: calibration) or odd (1: reports) index."""
-    return split_documents(load_corpus())["test"][half::2]
+    """The documents pages are rendered from: the validation split's for the calibration (`half` 0), the test
+    split's for reports (1). Neither was trained on, and no document is in both."""
+    return split_documents(load_corpus())["val" if half == 0 else "test"]
 
 
 def no_text_page(kind: str, seed: int) -> Image.Image:
@@ -69,8 +70,16 @@ def calibration_pages(per_kind: int, half: int, seed: int, kinds: list[str]) -> 
         if kind in NO_TEXT:
             out += [(kind, no_text_page(kind, seed * 1000 + half * 500 + i), "") for i in range(per_kind)]
             continue
-        stream = PageStream(docs, PAGE_KINDS[kind][1], seed=seed * 10 + half, length=per_kind)
-        out += [(kind, p.image, p.text) for p in stream]
+        stream, index, taken = PageStream(docs, PAGE_KINDS[kind][1], seed=seed * 10 + half), 0, 0
+        while taken < per_kind:
+            try:
+                page = stream[index]
+            except ValueError:  # a document whose text does not fit this kind's page: the next draw
+                page = None
+            index += 1
+            if page is not None:
+                out.append((kind, page.image, page.text))
+                taken += 1
     return out
 
 
@@ -105,7 +114,7 @@ def fit(pipe, readings: list[Reading], plain: list[str], truths: list[str | None
     draft = Calibration(pipe.quantizer_fingerprint, [0.0] * len(FEATURES), 0.0, 0.0, 0.0, table.tolist())
     x = np.stack([reading_features(r.logprobs, r.finish_reason, draft.typicality(r.codes)) for r in readings])
     cers = np.array([cer(r.text, t if t is not None else p) for r, p, t in zip(readings, plain, truths)])
-    weights, bias = fit_logistic(x, (cers <= 0.25).astype(float))
+    weights, bias = fit_confidence(x, cers)
     drift = np.array([cer(r.text, p) for r, p in zip(readings, plain)])
     lost = np.log10(np.maximum([r.lost for r in readings], 1e-9))[:, None]
     (a,), b = fit_logistic(lost, (drift <= 0.1).astype(float)) if len(set(drift <= 0.1)) > 1 else ((-1.0,), 0.0)
@@ -113,6 +122,20 @@ def fit(pipe, readings: list[Reading], plain: list[str], truths: list[str | None
         "pages": len(readings), "faithful": int((cers <= 0.25).sum()), "codes_within_0.1": int((drift <= 0.1).sum()),
         "label": "confidence: CER <= 0.25 against the transcript; fidelity: CER <= 0.1 against the uncompressed "
                  "reading"})
+
+
+def fit_confidence(x: np.ndarray, cers: np.ndarray, ridge: float = 1.0) -> tuple[np.ndarray, float]:
+    """Weights and bias of the confidence, sigmoid(x . w + b), in two steps: a score that ranks readings by their
+    error (least squares on -log(CER + 0.05), so that worse garbage ranks lower, not only garbage below good
+    readings), then its logistic calibration to P(CER <= 0.25). The result is one logistic model of the features."""
+    mean, scale = x.mean(0), x.std(0) + 1e-9
+    z = (x - mean) / scale
+    target = -np.log(np.minimum(cers, 20.0) + 0.05)
+    w = np.linalg.solve(z.T @ z + ridge * np.eye(z.shape[1]), z.T @ (target - target.mean()))
+    score = z @ w
+    (a,), c = fit_logistic(score[:, None], (cers <= 0.25).astype(float))
+    weights = a * w / scale
+    return weights, float(c - (weights * mean).sum())
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -142,7 +165,7 @@ def calibrate(args: argparse.Namespace) -> None:
     calibration = fit(pipe, readings, plain, truths)
     calibration.fitted.update({"command": "python train.py confidence", "images": args.images, "per_kind": args.per_kind,
                                "kinds": args.kinds.split(","), "max_tokens": args.max_tokens, "seed": args.seed,
-                               "documents": "test split, even index (training.confidence.documents(0))"})
+                               "documents": "the validation split's (training.confidence.documents(0))"})
     out = Path(args.out) if args.out else calibration_path(args.quantizer or default_quantizer(args.base))
     calibration.save(out)
     print(f"wrote {out}: {calibration.fitted}")
