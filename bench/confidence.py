@@ -4,7 +4,7 @@
     .venv/bin/python bench/confidence.py --per-kind 8 --kinds small,ordinary,blank --min-confidence 0.3
 
 Starts the server (server.py, the embedded default) on a free loopback port, renders held-out pages of every
-kind the project reads (training.pages.PAGE_KINDS, blank pages and pictures without text) from the test
+kind the project reads (training.pages.REPORTED_KINDS, blank pages and pictures without text) from the test
 split's documents (the calibration, `train.py confidence`, fits on the validation split's), and for each page:
 POST /encode (its codes and fidelity), POST /decode of those codes (text, finish_reason, confidence), both
 16 at a time; in process, the reading of the page uncompressed. Then prints, and as its last line one JSON
@@ -32,7 +32,7 @@ import numpy as np
 from throughput import start_server, stop_server
 from ocr_latent.serving.pipeline import load_pipeline
 from ocr_latent.training.confidence import NO_TEXT, calibration_pages, read
-from ocr_latent.training.pages import PAGE_KINDS
+from ocr_latent.training.pages import REPORTED_KINDS
 from ocr_latent.training.reading_metrics import cer
 
 
@@ -73,7 +73,7 @@ def post_all(url: str, bodies: list[dict], path: str, concurrency: int = 16, **k
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--per-kind", type=int, default=22)
-    ap.add_argument("--kinds", default=",".join([*PAGE_KINDS, *NO_TEXT]))
+    ap.add_argument("--kinds", default=",".join([*REPORTED_KINDS, *NO_TEXT]))
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--min-confidence", type=float, default=0.3, help="the early stop's threshold")
     ap.add_argument("--seed", type=int, default=5)

@@ -19,10 +19,10 @@ import torch
 
 from ocr_latent.serving.pipeline import load_pipeline
 from ocr_latent.training.evaluation import read_as_served
-from ocr_latent.training.pages import PAGE_KINDS, test_pages
+from ocr_latent.training.pages import REPORTED_KINDS, test_pages
 from ocr_latent.training.reading_metrics import cer
 
-KINDS = PAGE_KINDS
+KINDS = REPORTED_KINDS
 
 
 def main(argv=None) -> None:

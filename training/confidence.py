@@ -26,7 +26,7 @@ from PIL import Image, ImageDraw
 from ocr_latent.serving.confidence import (FEATURES, Calibration, calibration_path, code_logfreq, fit_logistic,
                                            reading_features)
 from ocr_latent.serving.pipeline import load_pipeline
-from ocr_latent.training.pages import PAGE_KINDS, PageStream, load_corpus, split_documents
+from ocr_latent.training.pages import REPORTED_KINDS, PageStream, load_corpus, split_documents
 from ocr_latent.training.reading_metrics import cer
 
 NO_TEXT = ("blank", "picture")  # kinds without text: the faithful reading is nothing
@@ -70,7 +70,7 @@ def calibration_pages(per_kind: int, half: int, seed: int, kinds: list[str]) -> 
         if kind in NO_TEXT:
             out += [(kind, no_text_page(kind, seed * 1000 + half * 500 + i), "") for i in range(per_kind)]
             continue
-        stream, index, taken = PageStream(docs, PAGE_KINDS[kind][1], seed=seed * 10 + half), 0, 0
+        stream, index, taken = PageStream(docs, REPORTED_KINDS[kind][1], seed=seed * 10 + half), 0, 0
         while taken < per_kind:
             try:
                 page = stream[index]
@@ -143,7 +143,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantizer", help="its quantizer (default: the base's)")
     p.add_argument("--images", help="a directory of your own held-out pages (PNG/JPEG; transcripts beside as .txt)")
     p.add_argument("--per-kind", type=int, default=16, help="pages of each kind rendered here")
-    p.add_argument("--kinds", default=",".join([*PAGE_KINDS, *NO_TEXT]))
+    p.add_argument("--kinds", default=",".join([*REPORTED_KINDS, *NO_TEXT]))
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)

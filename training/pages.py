@@ -543,7 +543,7 @@ if __name__ == "__main__":  # python -m ocr_latent.training.pages [N] [small|ord
 
 
 _CLEAN = {"augment": False}
-PAGE_KINDS = {  # name -> (what it is, its page spec): the kinds of page the project reads and reports on
+REPORTED_KINDS = {  # name -> (what it is, its page spec): the kinds of page the project reads and reports on
     "small": ("512x512, 3-6 lines of 20-30 characters at 22-30 px (nano v1's training pages)", PageSpec(**_CLEAN)),
     "small-9-lines": ("512x512, 9 lines at 22-30 px", PageSpec(min_lines=9, max_lines=9, min_line_spacing=1.1,
                                                                 max_line_spacing=1.2, min_font_size=22, **_CLEAN)),
