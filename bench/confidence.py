@@ -20,7 +20,6 @@ CER is edit distance over reference characters; for a page without text, the cha
 from __future__ import annotations
 
 import argparse
-import base64
 import io
 import json
 import time
@@ -85,7 +84,7 @@ def main(argv=None) -> None:
         buf = io.BytesIO()
         image.save(buf, "PNG")
         pngs.append(buf.getvalue())
-    proc, url, _, _ = start_server({"DECODE_SLOTS": "16"})
+    proc, url, _, _ = start_server({"DECODE_SLOTS": "16", "REQUEST_TIMEOUT_S": "900"})  # 264 pages queue at once
     try:
         encoded, _ = post_all(url, [{"content": p} for p in pngs], "/encode", headers={"Content-Type": "image/png"})
         bodies = [{"json": {"codes_b64": e["codes_b64"], "max_tokens": args.max_tokens}} for e in encoded]
