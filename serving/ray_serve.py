@@ -53,6 +53,13 @@ FORWARDED_ENV = ("MODEL_DIR", "QUANTIZER", "VERIFY_PIN", "DEVICE", "DTYPE", "PRE
 
 
 @dataclass
+class Encoded:
+    """A page's codes and their fidelity (engine.EncodeJob's), as an encode replica answers them."""
+    codes: np.ndarray
+    fidelity: float | None = None
+
+
+@dataclass
 class Refused:
     """An EngineError as a value: exceptions cross Ray wrapped, and these must keep their class and Retry-After."""
     kind: str
@@ -101,8 +108,10 @@ class EngineReplica:
             if not job.future.done():  # the caller cancelled (its client left, or its deadline passed)
                 self.engine.cancel(job)
 
-    async def encode(self, image) -> np.ndarray | Refused:
-        return await self._result(lambda: self.engine.encode(image))
+    async def encode(self, image) -> Encoded | Refused:
+        jobs = []
+        result = await self._result(lambda: jobs.append(self.engine.encode(image)) or jobs[0])
+        return result if isinstance(result, Refused) else Encoded(result, jobs[0].fidelity)
 
     async def decode(self, codes: np.ndarray, prompt: str, max_tokens: int, min_tokens: int = 0,
                      ignore_eos: bool = False, min_confidence: float | None = None) -> DecodeResult | Refused:
@@ -141,6 +150,7 @@ class RemoteJob:
     cancelled: bool = False
     task: asyncio.Task | None = None
     response: object = None  # the Serve response in flight
+    fidelity: float | None = None  # an encode's, once done
 
 
 class RemoteEngine(EngineState):
@@ -249,6 +259,8 @@ class RemoteEngine(EngineState):
                 continue
             except Exception as e:  # noqa: BLE001 - a bug on the replica: a 500, as on one machine
                 return self._resolve(job, error=ModelFailure(f"{kind} failed: {type(e).__name__}: {e}"))
+            if isinstance(result, Encoded):
+                job.fidelity, result = result.fidelity, result.codes
             return self._resolve(job, result)
 
     async def _stream(self, job: RemoteJob, on_text, *args) -> None:

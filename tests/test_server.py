@@ -227,7 +227,7 @@ def test_ignore_eos_and_min_tokens_read_on_past_the_end(client, held_out):
     body = {"codes": codes, "max_tokens": n, "ignore_eos": True, "stream": True}
     with client.stream("POST", "/decode", json=body) as r:
         done = json.loads([line for line in r.iter_lines() if line.startswith("data:")][-1][5:])
-    assert done == {k: fixed[k] for k in ("text", "num_tokens", "prompt_tokens", "finish_reason")}
+    assert done == {k: fixed[k] for k in ("text", "num_tokens", "prompt_tokens", "finish_reason", "confidence")}
     # beyond what a slot holds (without max_tokens, max_tokens is raised to min_tokens): refused as max_tokens is
     err = assert_error(client.post("/decode", json={"codes": codes, "min_tokens": 8192}), 422)
     assert err["message"].startswith("min_tokens=8192 does not fit") and "at most" in err["message"], err
