@@ -437,18 +437,22 @@ class Engine(EngineState):
         Fair turns: each slot goes to the group holding the fewest sequences, counting those chosen this turn,
         ties to the group whose next job arrived first; a group's own jobs go in arrival order. Jobs that
         are groups of their own (group None) thus go first come first served, as ever, and two large files
-        share the slots evenly however their pages arrived. And a reserve: a group that holds a sequence
-        never takes one of the last `reserve` free slots (decode_slots // 8, at least 1), so that a request
-        with none running (a lone page) finds a slot free within a step or so while large files decode. The
+        share the slots evenly however their pages arrived. And a reserve: a group that holds a sequence, or
+        has more than one page waiting, never takes one of the last `reserve` free slots (decode_slots // 8, at
+        least 1), so that a lone page finds a slot free within a step or so while large files decode, however
+        many files arrived before it. The
         price: a lone large file decodes in decode_slots - reserve slots (14 of 16), the reserve idle."""
         queues: dict[int, deque] = {}  # group -> its waiting jobs, each with its place in the arrival order
         for place, j in enumerate(waiting):
             queues.setdefault(j.group_key, deque()).append((place, j))
         count, out = Counter(holding), []
         while len(out) < free and queues:
-            group = min(queues, key=lambda g: (count[g], queues[g][0][0]))
-            if count[group] and free - len(out) <= self.reserve:
-                break  # the group holding fewest holds some: the rest is the reserve
+            in_reserve = free - len(out) <= self.reserve
+            # the reserve is for lone pages: not for a group that holds a sequence or has more pages to come
+            allowed = [g for g in queues if not (in_reserve and (count[g] or len(queues[g]) > 1))]
+            if not allowed:
+                break
+            group = min(allowed, key=lambda g: (count[g], queues[g][0][0]))
             _, j = queues[group].popleft()
             if not queues[group]:
                 del queues[group]

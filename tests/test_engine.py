@@ -252,3 +252,20 @@ def test_a_decode_that_could_only_time_out_waiting_for_a_slot_is_refused_at_once
         for job in running:
             engine.cancel(job)
         engine.stop()
+
+
+def test_a_second_file_arriving_later_leaves_the_reserve_to_lone_pages():
+    """One file holds all but the reserve; a second file arrives: it may not take the reserved slot (it has
+    pages to come), which a lone page then gets at once."""
+    from collections import Counter
+
+    from ocr_latent.serving.engine import DecodeJob
+    engine = Engine.__new__(Engine)
+    engine.reserve = 1
+    first, second = object(), object()
+    page = lambda group: DecodeJob(codes=np.zeros(4096, np.uint8), prompt="free", max_tokens=8, deadline=0.0,
+                                   group=group)
+    held = Counter({id(first): 3})  # 4 slots: the first file holds 3
+    assert engine._fair_turn([page(second) for _ in range(8)], 1, held) == []
+    lone = page(None)
+    assert [j for j, _ in engine._fair_turn([*[page(second) for _ in range(8)], lone], 1, held)] == [lone]
