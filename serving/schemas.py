@@ -32,7 +32,7 @@ QUANTIZER_FIELD = Field(description="fingerprint of the quantizer that made the 
 
 FIDELITY_DOC = ("how faithfully these codes carry the page for the decoder, 0..1 (from what of the page's features "
                 "the codes lose, calibrated on held-out pages; null where the quantizer has no calibration): below "
-                "0.5, keep the original")
+                "0.2, keep the original")
 CONFIDENCE_DOC = ("how far to trust the text, 0..1 (calibrated on held-out pages: the share of readings at this "
                   "confidence that were faithful, CER <= 0.25; null where the quantizer has no calibration)")
 
