@@ -74,13 +74,17 @@ class Pipeline:
     @torch.inference_mode()
     def encode(self, images: list[Image.Image]) -> np.ndarray:
         """Pages -> codes [B, NUM_CODES] uint8; one batched forward through the towers."""
-        return self.encode_measured(images)[0]
+        return self.quantizer.encode(self.model.encoder.encode_images(images, self.mode)).cpu().numpy()
 
     @torch.inference_mode()
     def encode_measured(self, images: list[Image.Image]) -> tuple[np.ndarray, np.ndarray]:
         """Pages -> (codes [B, NUM_CODES] uint8, lost [B]): `lost` is the share of each page's feature energy
         that its codes do not carry back (|f - dequantized|^2 / |f|^2), the input of `fidelity`."""
-        feats = self.model.encoder.encode_images(images, self.mode)
+        return self.measure(self.model.encoder.encode_images(images, self.mode))
+
+    @torch.inference_mode()
+    def measure(self, feats: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """The towers' features [B, T, D] -> encode_measured's (codes, lost)."""
         codes = self.quantizer.encode(feats)
         back = self.quantizer.decode(codes).float()
         lost = ((feats - back) ** 2).sum((1, 2)) / (feats ** 2).sum((1, 2)).clamp(min=1e-12)

@@ -89,12 +89,11 @@ def read(pipe, images: list[Image.Image], max_tokens: int, through_codes: bool =
     out: list[Reading] = []
     d = pipe.model.decoder
     for i in range(0, len(images), batch):
-        chunk = images[i:i + batch]
-        codes, lost = pipe.encode_measured(chunk)
+        feats = pipe.model.encoder.encode_images(images[i:i + batch], pipe.mode)  # once: both readings start here
+        codes, lost = pipe.measure(feats)
         if through_codes:
             inputs = [pipe.decode_inputs(c, "free") for c in codes]
         else:
-            feats = pipe.model.encoder.encode_images(chunk, pipe.mode)
             inputs = [d.build_inputs(d.layout_image(f.to(d.lm_head.weight.dtype)), pipe.prompts["free"],
                                      pipe.model.tokens.bos) for f in feats]
         gen = pipe.new_generator(len(inputs))
